@@ -62,7 +62,6 @@ func sampleRecord(i int) *Record {
 	return r
 }
 
-
 func readLines(t testing.TB, path string) []string {
 	t.Helper()
 	data, err := os.ReadFile(path)
