@@ -63,11 +63,6 @@ func (e *keyModeError) Error() string {
 // the final name (link(2) fails with EEXIST rather than overwriting, unlike
 // rename(2)). A reader therefore sees either no file or the complete file.
 func createExclusive(path string, data []byte, mode fs.FileMode) (err error) {
-	if _, err := os.Lstat(path); err == nil {
-		return fmt.Errorf("%s already exists: refusing to overwrite it", path)
-	} else if !errors.Is(err, fs.ErrNotExist) {
-		return err
-	}
 	dir := filepath.Dir(path)
 	// os.CreateTemp creates the file with mode 0600, so a key is never
 	// readable by others, not even for an instant.

@@ -366,7 +366,8 @@ func isDigitsAndDots(s string) bool {
 
 // checkDNSName accepts an ASCII (already IDNA-encoded) host name of letters,
 // digits, '-' and '_' (seen in real service names), in labels of 1 to 63
-// octets, at most 253 octets in all.
+// octets that do not start with '-', at most 253 octets in all. A trailing
+// '-' is tolerated because real sites use it.
 func checkDNSName(h string) error {
 	if len(h) > 253 {
 		return fmt.Errorf("host name is %d octets, longer than 253", len(h))
@@ -380,6 +381,9 @@ func checkDNSName(h string) error {
 		}
 		if len(label) > 63 {
 			return errors.New("host name has a label longer than 63 octets")
+		}
+		if label[0] == '-' {
+			return errors.New("host name has a label that starts with '-'")
 		}
 		for j := 0; j < len(label); j++ {
 			c := label[j]
