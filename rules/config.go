@@ -18,6 +18,10 @@ type Config struct {
 	Limits   GlobalLimits   `mapstructure:"limits"`
 	Secrets  []SecretSpec   `mapstructure:"secrets"`
 	Tenants  []TenantSpec   `mapstructure:"tenants"`
+
+	// Set by Parse so that Compile's errors can name file and line too.
+	source string
+	lines  map[string]int
 }
 
 // ServerConfig holds listener addresses, timeouts and size bounds. Durations are
@@ -128,7 +132,7 @@ type TenantSpec struct {
 // CredentialSpec is a static per-tenant credential, stored hashed (`sluice token hash`).
 type CredentialSpec struct {
 	Name string `mapstructure:"name"`
-	Hash string `mapstructure:"hash"`
+	Hash string `mapstructure:"hash" sluice:"sensitive"`
 }
 
 // RuleSpec is one allow or deny rule.
@@ -147,7 +151,7 @@ type RuleSpec struct {
 // InjectSpec sets one header from a template that names secrets: "Bearer ${secret:github}".
 type InjectSpec struct {
 	Header string `mapstructure:"header"`
-	Value  string `mapstructure:"value"`
+	Value  string `mapstructure:"value" sluice:"sensitive"` // never echoed in errors: a pasted credential must not reach a log
 }
 
 // TenantLimits bound one tenant.
