@@ -1,0 +1,199 @@
+package broker
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+)
+
+// scrubChunk is how much the Scrubber reads from the body at a time.
+const scrubChunk = 32 << 10
+
+// Scrubber is an io.ReadCloser that replaces every occurrence of any of its
+// secrets in a streamed body, including occurrences split across reads. It
+// never holds more than one read chunk plus the longest secret minus one byte:
+// that tail is the only part of the stream that can still be the start of a
+// secret completed by the next read.
+//
+// Where occurrences overlap, the leftmost wins, and of several secrets
+// starting at the same byte the longest wins, so a secret that is a prefix of
+// another never leaves the longer one's remainder behind.
+//
+// Compressed bodies cannot be scrubbed byte-wise: the proxy asks upstream for
+// Accept-Encoding: identity on every request that carries a secret and refuses
+// (502) a response that still arrives encoded; see CheckScrubbable.
+type Scrubber struct {
+	src      io.ReadCloser
+	secrets  [][]byte
+	repl     []byte
+	maxLen   int
+	buf      []byte // unscrubbed bytes: the kept tail, then fresh reads
+	out      []byte // scrubbed bytes not yet returned
+	outOff   int
+	next     []int // per secret: absolute index in buf of its next match, -1 none, -2 unknown
+	err      error // sticky error from src (io.EOF included)
+	scrubbed bool
+}
+
+// NewScrubber wraps body. Empty and duplicate secrets are ignored; a nil
+// replacement means Redacted. With no secrets left the body is passed through.
+func NewScrubber(body io.ReadCloser, secrets [][]byte, replacement []byte) *Scrubber {
+	if replacement == nil {
+		replacement = []byte(Redacted)
+	}
+	s := &Scrubber{src: body, repl: replacement}
+	seen := make(map[string]bool, len(secrets))
+	for _, sec := range secrets {
+		if len(sec) == 0 || seen[string(sec)] {
+			continue
+		}
+		seen[string(sec)] = true
+		s.secrets = append(s.secrets, bytes.Clone(sec))
+		s.maxLen = max(s.maxLen, len(sec))
+	}
+	if len(s.secrets) > 0 {
+		s.buf = make([]byte, 0, scrubChunk+s.maxLen)
+		s.next = make([]int, len(s.secrets))
+	}
+	return s
+}
+
+// Scrubbed reports whether at least one secret has been replaced so far; the
+// proxy reads it after the body is done to mark the audit record.
+func (s *Scrubber) Scrubbed() bool { return s.scrubbed }
+
+// Close closes the underlying body.
+func (s *Scrubber) Close() error { return s.src.Close() }
+
+// Read implements io.Reader.
+func (s *Scrubber) Read(p []byte) (int, error) {
+	if len(s.secrets) == 0 {
+		return s.src.Read(p)
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	for s.outOff == len(s.out) {
+		if s.err != nil && len(s.buf) == 0 {
+			return 0, s.err
+		}
+		s.out, s.outOff = s.out[:0], 0
+		if s.err == nil {
+			s.fill()
+		}
+		s.process(s.err != nil)
+	}
+	n := copy(p, s.out[s.outOff:])
+	s.outOff += n
+	return n, nil
+}
+
+// fill appends one read from src to buf.
+func (s *Scrubber) fill() {
+	start := len(s.buf)
+	n, err := s.src.Read(s.buf[start:cap(s.buf)])
+	s.buf = s.buf[:start+n]
+	if err != nil {
+		s.err = err
+	}
+}
+
+// process moves every byte of buf that can no longer be part of an unseen
+// match into out, replacing matches; at the end of the stream everything goes.
+func (s *Scrubber) process(final bool) {
+	buf := s.buf
+	limit := len(buf)
+	if !final {
+		// A match starting at or after limit might be longer than what we hold.
+		limit = len(buf) - (s.maxLen - 1)
+	}
+	for i := range s.next {
+		s.next[i] = -2
+	}
+	pos := 0
+	for pos < limit {
+		best, bestLen := -1, 0
+		for i, sec := range s.secrets {
+			if s.next[i] == -2 || (s.next[i] >= 0 && s.next[i] < pos) {
+				if j := bytes.Index(buf[pos:], sec); j >= 0 {
+					s.next[i] = pos + j
+				} else {
+					s.next[i] = -1
+				}
+			}
+			if at := s.next[i]; at >= 0 && (best < 0 || at < best || (at == best && len(sec) > bestLen)) {
+				best, bestLen = at, len(sec)
+			}
+		}
+		if best < 0 || best >= limit {
+			break
+		}
+		s.out = append(s.out, buf[pos:best]...)
+		s.out = append(s.out, s.repl...)
+		s.scrubbed = true
+		pos = best + bestLen
+	}
+	if pos < limit {
+		s.out = append(s.out, buf[pos:limit]...)
+		pos = limit
+	}
+	// Keep the undecided tail at the front of buf for the next read.
+	s.buf = buf[:copy(buf, buf[pos:])]
+}
+
+// ScrubHeader removes secrets from h in place and reports whether it changed
+// anything. A value containing a secret has each occurrence replaced by
+// Redacted; a header whose name contains a secret (compared without case,
+// since names are canonicalised) is dropped entirely. Call it on the
+// response's Header and Trailer.
+func ScrubHeader(h http.Header, secrets [][]byte) bool {
+	changed := false
+	for name, values := range h {
+		lname := strings.ToLower(name)
+		drop := false
+		for _, sec := range secrets {
+			if len(sec) > 0 && strings.Contains(lname, strings.ToLower(string(sec))) {
+				drop = true
+				break
+			}
+		}
+		if drop {
+			delete(h, name)
+			changed = true
+			continue
+		}
+		for i, v := range values {
+			for _, sec := range secrets {
+				if len(sec) > 0 && strings.Contains(v, string(sec)) {
+					v = strings.ReplaceAll(v, string(sec), Redacted)
+					changed = true
+				}
+			}
+			values[i] = v
+		}
+	}
+	return changed
+}
+
+// ErrEncodedBody is returned by CheckScrubbable for a response the Scrubber
+// cannot see into.
+var ErrEncodedBody = errors.New("broker: response body has a content encoding and cannot be scrubbed")
+
+// CheckScrubbable says whether a response to a request that carried a secret
+// may be streamed through a Scrubber. Anything but an absent or "identity"
+// Content-Encoding is refused: a gzip stream would carry a reflected secret
+// past a byte-wise scrubber, so the proxy answers 502 instead.
+func CheckScrubbable(h http.Header) error {
+	for _, v := range h.Values("Content-Encoding") {
+		for _, enc := range strings.Split(v, ",") {
+			enc = strings.TrimSpace(enc)
+			if enc != "" && !strings.EqualFold(enc, "identity") {
+				return fmt.Errorf("%w (Content-Encoding %q)", ErrEncodedBody, enc)
+			}
+		}
+	}
+	return nil
+}
