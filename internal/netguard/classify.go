@@ -37,15 +37,64 @@ const (
 	ClassProxySelf   = "proxy-self"  // one of the proxy's own listen addresses
 )
 
-// rule4 is one IPv4 prefix in the classification table. The numeric form keeps
-// the table a constant composite literal (no package-level state, no parsing on
-// the hot path); cidr is the same prefix spelt for humans, and a test checks
-// that the two agree.
+// kind is the compact form of a class inside the tables; kind.class names it.
+type kind uint8
+
+const (
+	kPublic kind = iota
+	kUnspecified
+	kLoopback
+	kPrivate
+	kCGNAT
+	kLinkLocal
+	kMetadata
+	kULA
+	kMulticast
+	kReserved
+	kNAT64
+	k6to4
+	kTeredo
+)
+
+func (k kind) class() string {
+	switch k {
+	case kPublic:
+		return ClassPublic
+	case kUnspecified:
+		return ClassUnspecified
+	case kLoopback:
+		return ClassLoopback
+	case kPrivate:
+		return ClassPrivate
+	case kCGNAT:
+		return ClassCGNAT
+	case kLinkLocal:
+		return ClassLinkLocal
+	case kMetadata:
+		return ClassMetadata
+	case kULA:
+		return ClassULA
+	case kMulticast:
+		return ClassMulticast
+	case kNAT64:
+		return ClassNAT64
+	case k6to4:
+		return Class6to4
+	case kTeredo:
+		return ClassTeredo
+	}
+	return ClassReserved
+}
+
+// rule4 is one IPv4 prefix of the classification table. Rows are numeric and
+// small so the table can be a constant literal inside a function (no package
+// state, nothing parsed on the hot path) that costs next to nothing to copy; the
+// comment on each row spells the prefix, and a test checks every row against
+// that spelling.
 type rule4 struct {
-	cidr  string
-	net   uint32
-	bits  uint8
-	class string
+	net  uint32
+	bits uint8
+	kind kind
 }
 
 // embed says how an IPv6 prefix carries an IPv4 address that decides its fate.
@@ -59,68 +108,65 @@ const (
 	embedTeredo           // 2001:0:SSSS:SSSS:flags:port:CCCC:CCCC, client bits inverted
 )
 
-// rule6 is one IPv6 prefix in the classification table (hi and lo are the two
+// rule6 is one IPv6 prefix of the classification table (hi and lo are the two
 // 64-bit halves of the prefix address).
 type rule6 struct {
-	cidr   string
 	hi, lo uint64
 	bits   uint8
-	class  string
+	kind   kind
 	embed  embed
 }
 
 // table4 is the IPv4 classification table. First match wins, so narrower
 // prefixes come before the prefixes that contain them (a test enforces this).
-// It is a function returning a constant array rather than a package variable so
-// that nothing can mutate it.
 func table4() [21]rule4 {
 	return [...]rule4{
-		{"0.0.0.0/8", 0x00000000, 8, ClassUnspecified},
-		{"10.0.0.0/8", 0x0a000000, 8, ClassPrivate},
-		{"100.100.100.200/32", 0x646464c8, 32, ClassMetadata}, // Alibaba Cloud metadata (inside CGNAT)
-		{"100.64.0.0/10", 0x64400000, 10, ClassCGNAT},
-		{"127.0.0.0/8", 0x7f000000, 8, ClassLoopback},
-		{"168.63.129.16/32", 0xa83f8110, 32, ClassMetadata}, // Azure WireServer: a public address that answers only inside Azure
-		{"169.254.169.254/32", 0xa9fea9fe, 32, ClassMetadata},
-		{"169.254.170.2/32", 0xa9feaa02, 32, ClassMetadata}, // AWS ECS task metadata
-		{"169.254.0.0/16", 0xa9fe0000, 16, ClassLinkLocal},
-		{"172.16.0.0/12", 0xac100000, 12, ClassPrivate},
-		{"192.0.0.192/32", 0xc00000c0, 32, ClassMetadata}, // Oracle Cloud metadata
-		{"192.0.0.0/24", 0xc0000000, 24, ClassReserved},   // IETF protocol assignments
-		{"192.0.2.0/24", 0xc0000200, 24, ClassReserved},   // TEST-NET-1
-		{"192.88.99.0/24", 0xc0586300, 24, ClassReserved}, // deprecated 6to4 relay anycast
-		{"192.168.0.0/16", 0xc0a80000, 16, ClassPrivate},
-		{"198.18.0.0/15", 0xc6120000, 15, ClassReserved},   // benchmarking
-		{"198.51.100.0/24", 0xc6336400, 24, ClassReserved}, // TEST-NET-2
-		{"203.0.113.0/24", 0xcb007100, 24, ClassReserved},  // TEST-NET-3
-		{"224.0.0.0/4", 0xe0000000, 4, ClassMulticast},
-		{"255.255.255.255/32", 0xffffffff, 32, ClassReserved}, // limited broadcast
-		{"240.0.0.0/4", 0xf0000000, 4, ClassReserved},
+		{0x00000000, 8, kUnspecified}, // 0.0.0.0/8
+		{0x0a000000, 8, kPrivate},     // 10.0.0.0/8
+		{0x646464c8, 32, kMetadata},   // 100.100.100.200/32 Alibaba Cloud metadata (inside CGNAT)
+		{0x64400000, 10, kCGNAT},      // 100.64.0.0/10
+		{0x7f000000, 8, kLoopback},    // 127.0.0.0/8
+		{0xa83f8110, 32, kMetadata},   // 168.63.129.16/32 Azure WireServer: public, but answers only inside Azure
+		{0xa9fea9fe, 32, kMetadata},   // 169.254.169.254/32
+		{0xa9feaa02, 32, kMetadata},   // 169.254.170.2/32 AWS ECS task metadata
+		{0xa9fe0000, 16, kLinkLocal},  // 169.254.0.0/16
+		{0xac100000, 12, kPrivate},    // 172.16.0.0/12
+		{0xc00000c0, 32, kMetadata},   // 192.0.0.192/32 Oracle Cloud metadata
+		{0xc0000000, 24, kReserved},   // 192.0.0.0/24 IETF protocol assignments
+		{0xc0000200, 24, kReserved},   // 192.0.2.0/24 TEST-NET-1
+		{0xc0586300, 24, kReserved},   // 192.88.99.0/24 deprecated 6to4 relay anycast
+		{0xc0a80000, 16, kPrivate},    // 192.168.0.0/16
+		{0xc6120000, 15, kReserved},   // 198.18.0.0/15 benchmarking
+		{0xc6336400, 24, kReserved},   // 198.51.100.0/24 TEST-NET-2
+		{0xcb007100, 24, kReserved},   // 203.0.113.0/24 TEST-NET-3
+		{0xe0000000, 4, kMulticast},   // 224.0.0.0/4
+		{0xffffffff, 32, kReserved},   // 255.255.255.255/32 limited broadcast
+		{0xf0000000, 4, kReserved},    // 240.0.0.0/4
 	}
 }
 
 // table6 is the IPv6 classification table; first match wins. Anything that
-// matches no entry and lies outside 2000::/3 (the only space IANA allocates
+// matches no row and lies outside 2000::/3 (the only space IANA allocates
 // global unicast addresses from) is reserved.
 func table6() [17]rule6 {
 	return [...]rule6{
-		{"::/128", 0, 0, 128, ClassUnspecified, embedNone},
-		{"::1/128", 0, 1, 128, ClassLoopback, embedNone},
-		{"::ffff:0:0:0/96", 0, 0xffff0000_00000000, 96, ClassReserved, embedNone}, // IPv4-translated (SIIT)
-		{"::/96", 0, 0, 96, ClassReserved, embedNone},                             // deprecated IPv4-compatible
-		{"64:ff9b::/96", 0x0064ff9b_00000000, 0, 96, ClassNAT64, embedLast32},
-		{"64:ff9b:1::/48", 0x0064ff9b_00010000, 0, 48, ClassNAT64, embedNAT64Local},
-		{"100::/64", 0x01000000_00000000, 0, 64, ClassReserved, embedNone}, // discard-only
-		{"2001::/32", 0x20010000_00000000, 0, 32, ClassTeredo, embedTeredo},
-		{"2001::/23", 0x20010000_00000000, 0, 23, ClassReserved, embedNone}, // IETF protocol assignments
-		{"2001:db8::/32", 0x20010db8_00000000, 0, 32, ClassReserved, embedNone},
-		{"2002::/16", 0x20020000_00000000, 0, 16, Class6to4, embed6to4},
-		{"3fff::/20", 0x3fff0000_00000000, 0, 20, ClassReserved, embedNone}, // documentation (RFC 9637)
-		{"fd00:ec2::254/128", 0xfd000ec2_00000000, 0x254, 128, ClassMetadata, embedNone},
-		{"fc00::/7", 0xfc000000_00000000, 0, 7, ClassULA, embedNone},
-		{"fe80::/10", 0xfe800000_00000000, 0, 10, ClassLinkLocal, embedNone},
-		{"fec0::/10", 0xfec00000_00000000, 0, 10, ClassReserved, embedNone}, // deprecated site-local
-		{"ff00::/8", 0xff000000_00000000, 0, 8, ClassMulticast, embedNone},
+		{0, 0, 128, kUnspecified, embedNone},                    // ::/128
+		{0, 1, 128, kLoopback, embedNone},                       // ::1/128
+		{0, 0xffff0000_00000000, 96, kReserved, embedNone},      // ::ffff:0:0:0/96 IPv4-translated (SIIT)
+		{0, 0, 96, kReserved, embedNone},                        // ::/96 deprecated IPv4-compatible
+		{0x0064ff9b_00000000, 0, 96, kNAT64, embedLast32},       // 64:ff9b::/96
+		{0x0064ff9b_00010000, 0, 48, kNAT64, embedNAT64Local},   // 64:ff9b:1::/48
+		{0x01000000_00000000, 0, 64, kReserved, embedNone},      // 100::/64 discard-only
+		{0x20010000_00000000, 0, 32, kTeredo, embedTeredo},      // 2001::/32
+		{0x20010000_00000000, 0, 23, kReserved, embedNone},      // 2001::/23 IETF protocol assignments
+		{0x20010db8_00000000, 0, 32, kReserved, embedNone},      // 2001:db8::/32 documentation
+		{0x20020000_00000000, 0, 16, k6to4, embed6to4},          // 2002::/16
+		{0x3fff0000_00000000, 0, 20, kReserved, embedNone},      // 3fff::/20 documentation (RFC 9637)
+		{0xfd000ec2_00000000, 0x254, 128, kMetadata, embedNone}, // fd00:ec2::254/128 AWS metadata
+		{0xfc000000_00000000, 0, 7, kULA, embedNone},            // fc00::/7
+		{0xfe800000_00000000, 0, 10, kLinkLocal, embedNone},     // fe80::/10
+		{0xfec00000_00000000, 0, 10, kReserved, embedNone},      // fec0::/10 deprecated site-local
+		{0xff000000_00000000, 0, 8, kMulticast, embedNone},      // ff00::/8
 	}
 }
 
@@ -148,7 +194,7 @@ func classify4(a [4]byte) (string, bool) {
 		// A shift by 32 yields 0 in Go, which is the right mask for /0.
 		mask := ^uint32(0) << (32 - r.bits)
 		if v&mask == r.net {
-			return r.class, true
+			return r.kind.class(), true
 		}
 	}
 	return ClassPublic, false
@@ -161,11 +207,8 @@ func classify6(a [16]byte) (string, bool) {
 		if !match6(hi, lo, r.hi, r.lo, r.bits) {
 			continue
 		}
-		if r.embed == embedNone {
-			return r.class, true
-		}
-		if embeddedForbidden(a, r.embed) {
-			return r.class, true
+		if r.embed == embedNone || embeddedForbidden(a, r.embed) {
+			return r.kind.class(), true
 		}
 		return ClassPublic, false
 	}
