@@ -249,7 +249,7 @@ func TestCheckExceptions(t *testing.T) {
 		{"11.0.0.1", pfx("10.0.0.0/8"), true}, // public anyway
 		{"192.168.1.1", pfx("10.0.0.0/8"), false},
 		{"127.0.0.1", pfx("127.0.0.0/8"), true},
-		{"::ffff:127.0.0.1", pfx("127.0.0.0/8"), true},  // mapped address, plain prefix
+		{"::ffff:127.0.0.1", pfx("127.0.0.0/8"), true},   // mapped address, plain prefix
 		{"127.0.0.1", pfx("::ffff:127.0.0.0/104"), true}, // plain address, mapped prefix
 		{"::ffff:10.0.0.1", pfx("::ffff:0:0/95"), false}, // mapped prefix wider than /96 matches nothing unmapped
 		{"::1", pfx("127.0.0.0/8"), false},
