@@ -180,6 +180,9 @@ func VerifyContext(ctx context.Context, paths []string) (Report, error) {
 				return fail(ProblemModified, v.at, "chain header does not match its hash")
 			}
 			if !started {
+				if h.Reason == ChainFileMissing {
+					return fail(ProblemDeleted, v.at, "the writer found its file %q removed or replaced; the records before seq %d are gone", h.PrevFile, h.Seq)
+				}
 				if h.Seq != 1 || h.Prev != "" {
 					rep.ContinuesFrom = h.PrevFile
 					rep.Notes = append(rep.Notes, fmt.Sprintf("%s: the set starts at seq %d, continuing %q (older files not given)", v.at, h.Seq, h.PrevFile))
