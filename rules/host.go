@@ -69,6 +69,9 @@ func NormalizeHost(h string) (host string, isIP bool, err error) {
 	}
 	if strings.HasSuffix(h, ".") {
 		h = h[:len(h)-1]
+		if h == "" {
+			return "", false, errors.New("empty host")
+		}
 	}
 	if a, err := netip.ParseAddr(h); err == nil && a.Is4() && a.String() == h {
 		return h, true, nil
