@@ -136,7 +136,18 @@ func NewIssuer(ca *CA, opts IssuerOptions) (*Issuer, error) {
 		return nil, fmt.Errorf("certs: new issuer: %w", err)
 	}
 	i.state.Store(st)
+	i.warnIfExpiring(ca)
 	return i, nil
+}
+
+// caExpiryWarning is how early an operator hears that the CA needs rotating:
+// once it expires, interception fails closed.
+const caExpiryWarning = 30 * 24 * time.Hour
+
+func (i *Issuer) warnIfExpiring(ca *CA) {
+	if left := ca.cert.NotAfter.Sub(i.now()); left < caExpiryWarning {
+		i.log.Warn("certs: interception CA expires soon; rotate it", slog.Any("ca", ca), slog.Duration("remaining", left))
+	}
 }
 
 func newIssuerState(ca *CA, gen uint64) (*issuerState, error) {
@@ -165,6 +176,7 @@ func (i *Issuer) SetCA(ca *CA) error {
 	i.cache.Purge()
 	i.rotations.Add(1)
 	i.log.Info("certs: interception CA rotated", slog.Any("ca", ca), slog.Int("flushed_leaves", n))
+	i.warnIfExpiring(ca)
 	return nil
 }
 

@@ -1,6 +1,7 @@
 package certs
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -8,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"log/slog"
 	"net"
 	"net/http"
 	"strings"
@@ -340,9 +342,13 @@ func TestRenewalNearExpiry(t *testing.T) {
 func TestLeafClampedToCAExpiry(t *testing.T) {
 	clock := newFakeClock()
 	ca, _, _ := newTestCA(t, CAOptions{Now: clock.Now, Validity: 3 * time.Hour})
-	iss, err := NewIssuer(ca, IssuerOptions{Now: clock.Now})
+	var logs bytes.Buffer
+	iss, err := NewIssuer(ca, IssuerOptions{Now: clock.Now, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if !strings.Contains(logs.String(), "expires soon") {
+		t.Errorf("no warning for a CA with 3h left; log: %q", logs.String())
 	}
 	c, err := iss.Certificate(context.Background(), "clamp.example")
 	if err != nil {
@@ -373,7 +379,8 @@ func TestLeafClampedToCAExpiry(t *testing.T) {
 func TestSetCAFlushesCache(t *testing.T) {
 	ca1, _, _ := newTestCA(t, CAOptions{})
 	ca2, _, _ := newTestCA(t, CAOptions{})
-	iss, err := NewIssuer(ca1, IssuerOptions{})
+	var logs bytes.Buffer
+	iss, err := NewIssuer(ca1, IssuerOptions{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -384,6 +391,9 @@ func TestSetCAFlushesCache(t *testing.T) {
 	}
 	if iss.Len() != 0 {
 		t.Fatalf("cache holds %d leaves after rotation", iss.Len())
+	}
+	if !strings.Contains(logs.String(), "rotated") || !strings.Contains(logs.String(), ca2.Fingerprint()) || strings.Contains(logs.String(), "expires soon") {
+		t.Errorf("rotation log %q: want the new CA's fingerprint and no expiry warning for a 5-year CA", logs.String())
 	}
 	if iss.CA() != ca2 {
 		t.Fatal("CA() is not the new CA")
