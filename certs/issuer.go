@@ -201,7 +201,8 @@ func (i *Issuer) Len() int { return i.cache.Len() }
 // fresh one is there. host is a DNS name or an IP literal, optionally with a
 // ":port" (as goproxy passes it), which is ignored; a DNS name becomes a DNS
 // SAN, an IP literal an IP SAN. Concurrent calls for the same host share one
-// issuance. The chain is [leaf, CA] and Leaf is set.
+// issuance. The chain is [leaf, CA] and Leaf is set. The returned value is
+// shared with other callers and the cache: read it, never modify it.
 func (i *Issuer) Certificate(ctx context.Context, host string) (*tls.Certificate, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, fmt.Errorf("certs: certificate for %q: %w", host, err)
