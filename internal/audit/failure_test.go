@@ -63,7 +63,7 @@ func mountTiny(t *testing.T) string {
 	return dir
 }
 
-func fill(t *testing.T, dir string) string {
+func fillDisk(t *testing.T, dir string) string {
 	t.Helper()
 	filler := filepath.Join(dir, "filler")
 	f, err := os.Create(filler)
@@ -104,7 +104,7 @@ func TestDiskFullAndRecovery(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			filler := fill(t, dir)
+			filler := fillDisk(t, dir)
 			// The file's last page may still have room: write until the
 			// first failure, then some more.
 			failed, after := 0, 0
