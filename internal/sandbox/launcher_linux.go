@@ -1,0 +1,512 @@
+package sandbox
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"strconv"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// DefaultHostID is the host uid and gid the sandbox's root is mapped to when
+// the launcher runs as root: an unprivileged id, so that even a process that
+// escaped every namespace would hold no rights on the host.
+const DefaultHostID = 65534
+
+// Launcher starts sandboxes. The zero value is not usable: Minter is required.
+type Launcher struct {
+	// InitPath is the sluice binary to re-execute as the init; default /proc/self/exe.
+	InitPath string
+	// InitArgs follow argv[0]; default {InitCommand}.
+	InitArgs []string
+	Minter   TokenMinter
+	Recorder Recorder // optional
+	Logger   *slog.Logger
+	// StateRoot holds per-run state for the sweeper; default DefaultStateRoot().
+	StateRoot string
+	// HostUID and HostGID are the ids the sandbox's root maps to when the
+	// launcher is root; 0 means DefaultHostID. Unprivileged launchers map to
+	// their own ids.
+	HostUID, HostGID int
+}
+
+// NewSandboxID returns a random sandbox id ("sb-" + 16 hex digits).
+func NewSandboxID() (string, error) {
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", fmt.Errorf("sandbox id: %w", err)
+	}
+	return "sb-" + hex.EncodeToString(b[:]), nil
+}
+
+func (l *Launcher) logger() *slog.Logger {
+	if l.Logger != nil {
+		return l.Logger
+	}
+	return slog.Default()
+}
+
+func (l *Launcher) stateRoot() string {
+	if l.StateRoot != "" {
+		return l.StateRoot
+	}
+	return DefaultStateRoot()
+}
+
+func (l *Launcher) idMaps() ([]syscall.SysProcIDMap, []syscall.SysProcIDMap) {
+	uid, gid := os.Geteuid(), os.Getegid()
+	if uid == 0 {
+		uid, gid = l.HostUID, l.HostGID
+		if uid == 0 {
+			uid = DefaultHostID
+		}
+		if gid == 0 {
+			gid = DefaultHostID
+		}
+	}
+	return []syscall.SysProcIDMap{{ContainerID: 0, HostID: uid, Size: 1}},
+		[]syscall.SysProcIDMap{{ContainerID: 0, HostID: gid, Size: 1}}
+}
+
+func launcherIdentity() (int, string) {
+	uid := os.Getuid()
+	name := ""
+	if u, err := user.LookupId(strconv.Itoa(uid)); err == nil {
+		name = u.Username
+	}
+	return uid, name
+}
+
+func readCABundle(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("CA bundle: %w", err)
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxCABundleBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("CA bundle: %w", err)
+	}
+	if len(b) > maxCABundleBytes {
+		return nil, fmt.Errorf("CA bundle %s is larger than %d bytes", path, maxCABundleBytes)
+	}
+	if !bytes.Contains(b, []byte("-----BEGIN CERTIFICATE-----")) {
+		return nil, fmt.Errorf("CA bundle %s holds no PEM certificate", path)
+	}
+	return b, nil
+}
+
+// LandlockStatus describes what Landlock this kernel offers, for the
+// launch record written before the command starts.
+func LandlockStatus() string {
+	abi := landlockABI()
+	if abi < 1 {
+		return "unavailable"
+	}
+	return "abi " + strconv.Itoa(abi)
+}
+
+// Run starts spec's command in a new sandbox and waits for it. The error is
+// non-nil only when the sandbox could not be started (Result.ExitCode is then
+// ExitLaunchFailed); how the command ended is in the Result.
+func (l *Launcher) Run(ctx context.Context, spec Spec) (Result, error) {
+	id, err := NewSandboxID()
+	if err != nil {
+		return Result{ExitCode: ExitLaunchFailed, Message: err.Error()}, err
+	}
+	r := &run{l: l, spec: spec, id: id, log: l.logger().With("sandbox", id, "tenant", spec.Tenant)}
+	r.spec.Limits = spec.Limits.withDefaults()
+	res, err := r.run(ctx)
+	if err != nil {
+		res.ExitCode = ExitLaunchFailed
+		res.Message = "launch failed: " + err.Error()
+	}
+	res.SandboxID = id
+	return res, err
+}
+
+type run struct {
+	l    *Launcher
+	spec Spec
+	id   string
+	log  *slog.Logger
+
+	start    time.Time
+	limiter  limiter
+	launched bool // the launch record was written
+}
+
+func (r *run) event(kind string) Event {
+	uid, name := launcherIdentity()
+	names, _ := ValidateEnv(r.spec.Env)
+	ev := Event{
+		Kind: kind, Time: time.Now(), UID: uid, User: name,
+		Tenant: r.spec.Tenant, Sandbox: r.id, Command: r.spec.Command,
+		EnvNames: sortedCopy(names), Limits: r.spec.Limits, Start: r.start,
+		Landlock: LandlockStatus(),
+	}
+	if r.limiter != nil {
+		ev.Mechanism = r.limiter.mechanism()
+	}
+	return ev
+}
+
+func (r *run) record(ctx context.Context, ev Event) error {
+	if r.l.Recorder == nil {
+		return nil
+	}
+	// The record must be written even when ctx is already cancelled.
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := r.l.Recorder.Record(rctx, ev); err != nil {
+		return fmt.Errorf("audit: %w", err)
+	}
+	return nil
+}
+
+func (r *run) run(ctx context.Context) (res Result, err error) {
+	r.start = time.Now()
+	res.Start = r.start
+	defer func() {
+		res.End = time.Now()
+		ev := r.event(EventRun)
+		ev.End, ev.ExitCode, ev.KilledBy = res.End, res.ExitCode, res.KilledBy
+		if res.Landlock != "" {
+			ev.Landlock = res.Landlock
+		}
+		if err != nil {
+			ev.ExitCode = ExitLaunchFailed
+			ev.Error = err.Error()
+			if !r.launched {
+				lev := r.event(EventLaunch)
+				lev.Error = ev.Error
+				_ = r.record(ctx, lev)
+			}
+		}
+		if rerr := r.record(ctx, ev); rerr != nil {
+			r.log.Error("sandbox run record not written", "err", rerr)
+		}
+	}()
+
+	spec := &r.spec
+	if err := spec.validate(); err != nil {
+		return res, err
+	}
+	if r.l.Minter == nil {
+		return res, errors.New("no token minter configured")
+	}
+	envNames, _ := ValidateEnv(spec.Env)
+	_ = envNames
+	var ca []byte
+	if spec.CABundle != "" {
+		if ca, err = readCABundle(spec.CABundle); err != nil {
+			return res, err
+		}
+	}
+	if n, err := Sweep(ctx, r.l.stateRoot()); err != nil {
+		r.log.Warn("sweeping earlier sandboxes", "err", err)
+	} else if n > 0 {
+		r.log.Info("swept leftovers of crashed sandboxes", "count", n)
+	}
+	st, err := newState(r.l.stateRoot(), r.id)
+	if err != nil {
+		return res, err
+	}
+	defer func() {
+		if rerr := st.remove(); rerr != nil {
+			r.log.Error("removing sandbox state", "err", rerr)
+		}
+	}()
+	r.limiter, err = newLimiter(r.id, spec.Limits)
+	if err != nil {
+		return res, err
+	}
+	res.Mechanism = r.limiter.mechanism()
+	st.own.Cgroups = r.limiter.dirs()
+	if err := st.save(); err != nil {
+		r.limiter.remove(context.Background())
+		return res, err
+	}
+	defer func() {
+		r.limiter.kill()
+		if rerr := r.limiter.remove(context.Background()); rerr != nil {
+			r.log.Error("removing sandbox cgroups", "err", rerr)
+		}
+	}()
+
+	// The credential lives as long as the sandbox may.
+	token, err := r.l.Minter.Mint(spec.Tenant, r.id, spec.Limits.Timeout)
+	if err != nil {
+		return res, fmt.Errorf("minting sandbox credential: %w", err)
+	}
+	cfg := &initConfig{
+		Hostname:        "sluice-" + r.id[3:11],
+		RootDir:         spec.RootDir,
+		Argv:            spec.Command,
+		Env:             BuildEnv(spec.Tenant, token, len(ca) > 0, spec.Term, spec.Env),
+		CABundle:        ca,
+		DiskBytes:       spec.Limits.DiskBytes,
+		Files:           spec.Limits.Files,
+		TmpBytes:        spec.Limits.TmpBytes,
+		TmpFiles:        spec.Limits.TmpFiles,
+		Rlimits:         r.limiter.mechanism() == MechRlimit,
+		MemoryBytes:     spec.Limits.MemoryBytes,
+		Pids:            spec.Limits.Pids,
+		AllowNoLandlock: spec.AllowNoLandlock,
+	}
+	if cfg.Rlimits {
+		cfg.CPUSeconds = int64(spec.Limits.Timeout.Seconds()*max(spec.Limits.CPUs, 1)) + 1
+	}
+	token = ""
+	cfgFile, err := writeConfig(cfg)
+	cfg.Env = nil
+	if err != nil {
+		return res, err
+	}
+	defer cfgFile.Close()
+	parentSock, childSock, err := socketpair()
+	if err != nil {
+		return res, err
+	}
+	defer parentSock.Close()
+	ctl := conn{fd: int(parentSock.Fd())}
+
+	initPath := r.l.InitPath
+	if initPath == "" {
+		initPath = "/proc/self/exe"
+	}
+	args := r.l.InitArgs
+	if args == nil {
+		args = []string{InitCommand}
+	}
+	uidMap, gidMap := r.l.idMaps()
+	cmd := &exec.Cmd{
+		Path:       initPath,
+		Args:       append([]string{"sluice-init"}, args...),
+		Env:        []string{}, // nothing of the launcher's environment crosses over
+		Stdin:      spec.Stdin,
+		Stdout:     spec.Stdout,
+		Stderr:     spec.Stderr,
+		ExtraFiles: []*os.File{childSock, cfgFile},
+		SysProcAttr: &syscall.SysProcAttr{
+			Cloneflags: unix.CLONE_NEWUSER | unix.CLONE_NEWNS | unix.CLONE_NEWPID | unix.CLONE_NEWNET |
+				unix.CLONE_NEWUTS | unix.CLONE_NEWIPC | unix.CLONE_NEWCGROUP,
+			UidMappings:                uidMap,
+			GidMappings:                gidMap,
+			GidMappingsEnableSetgroups: false,
+			Setsid:                     true,
+		},
+	}
+	if err := cmd.Start(); err != nil {
+		childSock.Close()
+		return res, fmt.Errorf("starting sandbox init: %w", err)
+	}
+	childSock.Close()
+	cfgFile.Close()
+	initPID := cmd.Process.Pid
+	waitDone := make(chan error, 1)
+	go func() { waitDone <- cmd.Wait() }()
+	initExited := false
+	defer func() {
+		if !initExited {
+			_ = cmd.Process.Kill()
+			<-waitDone
+		}
+	}()
+	st.own.InitPID, st.own.InitStart = initPID, procStart(initPID)
+	if err := st.save(); err != nil {
+		return res, err
+	}
+	if err := r.limiter.add(initPID); err != nil {
+		return res, err
+	}
+	if err := ctl.send(message{Type: msgConfig}); err != nil {
+		return res, err
+	}
+
+	msgs := make(chan received, 4)
+	go func() {
+		for {
+			m, fds, err := ctl.recv()
+			msgs <- received{m, fds, err}
+			if err != nil {
+				return
+			}
+		}
+	}()
+
+	runCtx, cancel := context.WithTimeout(ctx, spec.Limits.Timeout)
+	defer cancel()
+	next := func(want string) (received, error) {
+		select {
+		case m := <-msgs:
+			if m.err != nil {
+				return m, fmt.Errorf("sandbox init: %w", m.err)
+			}
+			if m.m.Type == msgError {
+				return m, fmt.Errorf("sandbox init: %s", m.m.Error)
+			}
+			if m.m.Type != want {
+				closeFDs(m.fds)
+				return m, fmt.Errorf("sandbox init: unexpected %q message, want %q", m.m.Type, want)
+			}
+			return m, nil
+		case <-runCtx.Done():
+			return received{}, fmt.Errorf("sandbox setup: %w", runCtx.Err())
+		}
+	}
+
+	m, err := next(msgReady)
+	if err != nil {
+		return res, err
+	}
+	if len(m.fds) != 1 {
+		closeFDs(m.fds)
+		return res, errors.New("sandbox init: ready without the relay socket")
+	}
+	lf := os.NewFile(uintptr(m.fds[0]), "sandbox-relay")
+	ln, err := net.FileListener(lf)
+	lf.Close()
+	if err != nil {
+		return res, fmt.Errorf("relay listener: %w", err)
+	}
+	rl := newRelay(ln, spec.Proxy, r.log)
+	rl.serve(runCtx)
+	defer rl.close()
+
+	if spec.Workspace != "" {
+		if err := r.copyIn(initPID); err != nil {
+			return res, err
+		}
+	}
+	if err := r.record(ctx, r.event(EventLaunch)); err != nil {
+		return res, err // fail closed: nothing runs unrecorded
+	}
+	r.launched = true
+	if err := ctl.send(message{Type: msgGo}); err != nil {
+		return res, err
+	}
+	m, err = next(msgStarted)
+	if err != nil {
+		return res, err
+	}
+	res.Landlock = m.m.Landlock
+
+	// The command runs. It ends by exiting, by the timeout, by the caller
+	// cancelling, or by the init dying (memory limit, kill).
+	var exited *message
+	select {
+	case m := <-msgs:
+		if m.err == nil && m.m.Type == msgExited {
+			exited = &m.m
+		}
+	case <-runCtx.Done():
+	case <-waitDone:
+		initExited = true
+	}
+	switch {
+	case exited != nil:
+		res.ExitCode = exited.Exit
+		if exited.Signal != 0 {
+			res.KilledBy = KilledBySignal
+		}
+		if spec.KeepDir != "" {
+			if err := r.copyOut(initPID); err != nil {
+				res.Message = "workspace not kept: " + err.Error()
+			}
+		}
+		_ = ctl.send(message{Type: msgDone})
+		select {
+		case <-waitDone:
+			initExited = true
+		case <-time.After(5 * time.Second):
+		}
+	case ctx.Err() != nil:
+		res.ExitCode, res.KilledBy = 130, KilledBySignal
+		res.Message = "interrupted: sandbox killed"
+	case runCtx.Err() != nil:
+		res.ExitCode, res.KilledBy = ExitTimeout, KilledByTimeout
+		res.Message = fmt.Sprintf("timeout: sandbox killed after %s", spec.Limits.Timeout)
+	default:
+		res.ExitCode, res.KilledBy = 128+int(unix.SIGKILL), KilledBySignal
+		res.Message = "sandbox init was killed"
+	}
+	if !initExited {
+		_ = cmd.Process.Kill()
+		<-waitDone
+		initExited = true
+	}
+	r.limiter.kill()
+	if res.KilledBy != KilledByTimeout && res.ExitCode == 128+int(unix.SIGKILL) && r.limiter.oomKills() > 0 {
+		res.ExitCode, res.KilledBy = ExitOOM, KilledByMemory
+		res.Message = fmt.Sprintf("out of memory: sandbox killed at its %d-byte memory limit", spec.Limits.MemoryBytes)
+	}
+	return res, nil
+}
+
+type received struct {
+	m   message
+	fds []int
+	err error
+}
+
+func closeFDs(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
+}
+
+// copyIn fills the sandbox's /workspace (reached through the init's root)
+// with the host workspace directory, before anything of the sandbox runs.
+func (r *run) copyIn(initPID int) error {
+	src, err := os.OpenRoot(r.spec.Workspace)
+	if err != nil {
+		return fmt.Errorf("workspace: %w", err)
+	}
+	defer src.Close()
+	dst, err := os.OpenRoot("/proc/" + strconv.Itoa(initPID) + "/root" + WorkspacePath)
+	if err != nil {
+		return fmt.Errorf("sandbox workspace: %w", err)
+	}
+	defer dst.Close()
+	uidMap, gidMap := r.l.idMaps()
+	if err := copyTree(src, dst, uidMap[0].HostID, gidMap[0].HostID); err != nil {
+		return fmt.Errorf("copying workspace in: %w", err)
+	}
+	return nil
+}
+
+// copyOut copies /workspace to KeepDir after the command and every other
+// process of the sandbox are gone (only the init remains).
+func (r *run) copyOut(initPID int) error {
+	if err := os.MkdirAll(r.spec.KeepDir, 0o700); err != nil {
+		return err
+	}
+	dst, err := os.OpenRoot(r.spec.KeepDir)
+	if err != nil {
+		return err
+	}
+	defer dst.Close()
+	src, err := os.OpenRoot("/proc/" + strconv.Itoa(initPID) + "/root" + WorkspacePath)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	uid := -1
+	if os.Geteuid() == 0 {
+		uid = 0
+	}
+	return copyTree(src, dst, uid, uid)
+}

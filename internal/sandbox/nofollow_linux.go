@@ -1,0 +1,5 @@
+package sandbox
+
+import "syscall"
+
+const noFollow = syscall.O_NOFOLLOW
