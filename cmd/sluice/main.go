@@ -51,6 +51,7 @@ func newRootCmd() *cobra.Command {
 		SilenceErrors: true,
 	}
 	root.AddCommand(newVersionCmd())
+	root.AddCommand(newLogsCmd())
 	root.AddCommand(newCACmd())
 	return root
 }
