@@ -1,0 +1,90 @@
+package proxy
+
+import (
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// trackedListener wraps the proxy listener so that every accepted connection
+// has a maximum lifetime and is counted. goproxy hands hijacked connections
+// over with no timeouts at all; the lifetime timer here is the backstop that
+// holds even if some later code path forgets its own deadlines.
+type trackedListener struct {
+	net.Listener
+	maxLifetime time.Duration
+	active      atomic.Int64
+
+	mu    sync.Mutex
+	conns map[*trackedConn]struct{}
+}
+
+func newTrackedListener(l net.Listener, maxLifetime time.Duration) *trackedListener {
+	return &trackedListener{Listener: l, maxLifetime: maxLifetime, conns: make(map[*trackedConn]struct{})}
+}
+
+func (l *trackedListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	if tc, ok := c.(*net.TCPConn); ok {
+		// Small writes (TLS records, response heads) must not wait for
+		// delayed ACKs; Go sets this by default, but be explicit since the
+		// splice path depends on it.
+		_ = tc.SetNoDelay(true)
+	}
+	t := &trackedConn{Conn: c, l: l}
+	l.active.Add(1)
+	l.mu.Lock()
+	l.conns[t] = struct{}{}
+	l.mu.Unlock()
+	if l.maxLifetime > 0 {
+		t.timer = time.AfterFunc(l.maxLifetime, func() { _ = t.Close() })
+	}
+	return t, nil
+}
+
+// closeAll closes every connection still open; used at the end of a graceful
+// shutdown for hijacked connections that http.Server no longer tracks.
+func (l *trackedListener) closeAll() {
+	l.mu.Lock()
+	conns := make([]*trackedConn, 0, len(l.conns))
+	for c := range l.conns {
+		conns = append(conns, c)
+	}
+	l.mu.Unlock()
+	for _, c := range conns {
+		_ = c.Close()
+	}
+}
+
+type trackedConn struct {
+	net.Conn
+	l     *trackedListener
+	timer *time.Timer
+	once  sync.Once
+}
+
+func (c *trackedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(func() {
+		if c.timer != nil {
+			c.timer.Stop()
+		}
+		c.l.active.Add(-1)
+		c.l.mu.Lock()
+		delete(c.l.conns, c)
+		c.l.mu.Unlock()
+	})
+	return err
+}
+
+// CloseWrite lets the splice path half-close the client side.
+func (c *trackedConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return c.Conn.Close()
+}
