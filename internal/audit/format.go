@@ -40,8 +40,8 @@ var tableCols = []struct {
 	name  string
 	width int
 }{
-	{"TIME", 20}, {"TENANT", 10}, {"SANDBOX", 12}, {"KIND", 8}, {"DECISION", 10}, {"REASON", 24},
-	{"METHOD", 7}, {"DESTINATION", 32}, {"STATUS", 6}, {"IN/OUT", 13}, {"PATH / DETAIL", 0},
+	{"TIME", 20}, {"TENANT", 10}, {"SANDBOX", 12}, {"KIND", 13}, {"DECISION", 10}, {"REASON", 24},
+	{"METHOD", 7}, {"DESTINATION", 32}, {"STATUS", 8}, {"IN/OUT", 13}, {"PATH / DETAIL", 0},
 }
 
 // Write prints one record (and the header before the first).

@@ -273,7 +273,7 @@ func (s *Suggestion) WriteYAML(w io.Writer) error {
 	p("# Review every entry before pasting it under the tenant. Paths are not\n")
 	p("# suggested: add `paths:` to narrow a rule.\n")
 	if s.Skipped > 0 {
-		p("# %d records were skipped: their host, port or method is not well-formed.\n", s.Skipped)
+		p("# skipped (host, port or method not well-formed): %d records\n", s.Skipped)
 	}
 	for _, h := range s.Denied {
 		p("# not suggested: %s matched an explicit deny rule\n", h)
@@ -284,7 +284,7 @@ func (s *Suggestion) WriteYAML(w io.Writer) error {
 		p("allow:\n")
 	}
 	for _, r := range s.Rules {
-		p("  # seen %d times (allowed %d, would_deny %d)\n", r.Allowed+r.WouldDeny, r.Allowed, r.WouldDeny)
+		p("  # observed: allowed %d, would_deny %d\n", r.Allowed, r.WouldDeny)
 		if len(r.Covers) > 0 {
 			p("  # wildcard: %d sibling hosts were seen: %s\n", len(r.Covers), strings.Join(r.Covers, ", "))
 			p("  # (*.%s matches subdomains only; list the hosts instead if that is too broad)\n", strings.TrimPrefix(r.Host, "*."))
