@@ -22,6 +22,7 @@ import (
 
 	"github.com/elazarl/goproxy"
 
+	"github.com/sluicehq/sluice/internal/identity"
 	"github.com/sluicehq/sluice/rules"
 )
 
@@ -41,7 +42,11 @@ type Options struct {
 	// system roots plus server.upstream_ca_file. There is no way to turn
 	// verification off.
 	UpstreamRoots *x509.CertPool
-	Now           func() time.Time
+	// Bound, when set, makes this a listener bound to one principal (a
+	// launcher's bridge, a Unix socket only one sandbox can reach): clients
+	// are not asked for credentials, and any they send are ignored.
+	Bound *identity.Principal
+	Now   func() time.Time
 }
 
 // Server is sluice's forward proxy.
