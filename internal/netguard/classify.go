@@ -1,13 +1,3 @@
-// Package netguard answers one question: may this process open a connection to
-// this IP:port?
-//
-// It classifies addresses (loopback, private, link-local, cloud metadata, ...),
-// and provides the one guarded dialer that every upstream path of the proxy
-// uses. The dialer resolves names itself, refuses the whole dial if any resolved
-// address is forbidden, dials only the addresses it checked (it never resolves
-// twice), and checks the final ip:port again in the socket's ControlContext, so
-// DNS rebinding, odd spellings of an address and IPv4-in-IPv6 encodings cannot
-// slip past.
 package netguard
 
 import (
