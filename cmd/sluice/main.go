@@ -51,8 +51,12 @@ func newRootCmd() *cobra.Command {
 		SilenceErrors: true,
 	}
 	root.AddCommand(newVersionCmd())
+	root.AddCommand(newRunCmd())
+	root.AddCommand(newSandboxInitCmd())
 	root.AddCommand(newLogsCmd())
+	root.AddCommand(newServeCmd())
 	root.AddCommand(newCACmd())
+	root.AddCommand(newTokenCmd())
 	return root
 }
 

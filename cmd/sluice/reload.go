@@ -1,0 +1,132 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+	"github.com/spf13/viper"
+
+	"github.com/sluicehq/sluice/internal/audit"
+	"github.com/sluicehq/sluice/internal/metrics"
+	"github.com/sluicehq/sluice/rules"
+)
+
+// reloader keeps the running policy in step with the config file: file
+// watch, SIGHUP and a slow poll (in case the watcher dies) all lead to one
+// debounced reload that reads the bytes, skips them if unchanged, decodes
+// strictly, validates, compiles and only then swaps. A file that fails any
+// step never replaces the running policy.
+type reloader struct {
+	path    string
+	v       *viper.Viper
+	last    []byte
+	lastBad []byte
+	log     *slog.Logger
+	metrics *metrics.Metrics
+	audit   *audit.Writer
+	apply   func(*rules.Config, *rules.Policy) error
+
+	debounce time.Duration
+	poll     time.Duration
+}
+
+func (r *reloader) run(ctx context.Context) {
+	if r.debounce == 0 {
+		r.debounce = 250 * time.Millisecond
+	}
+	if r.poll == 0 {
+		r.poll = 10 * time.Second
+	}
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+
+	// Watch the directory, not the file: editors and config management
+	// replace files by rename, which ends a watch on the old inode.
+	var events <-chan fsnotify.Event
+	var errs <-chan error
+	w, err := fsnotify.NewWatcher()
+	if err == nil {
+		if err = w.Add(filepath.Dir(r.path)); err == nil {
+			events, errs = w.Events, w.Errors
+		}
+		defer w.Close()
+	}
+	if err != nil {
+		r.log.Warn("config file watch unavailable; relying on SIGHUP and polling", "err", err)
+	}
+
+	poll := time.NewTicker(r.poll)
+	defer poll.Stop()
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	base := filepath.Base(r.path)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case ev, ok := <-events:
+			if !ok {
+				events = nil
+				r.log.Warn("config file watch ended; relying on SIGHUP and polling")
+				continue
+			}
+			if filepath.Base(ev.Name) == base {
+				timer.Reset(r.debounce)
+			}
+		case err, ok := <-errs:
+			if !ok {
+				errs = nil
+				continue
+			}
+			r.log.Warn("config file watch error", "err", err)
+		case <-hup:
+			timer.Reset(r.debounce)
+		case <-poll.C:
+			r.reload(ctx, "poll")
+		case <-timer.C:
+			r.reload(ctx, "change")
+		}
+	}
+}
+
+func (r *reloader) reload(ctx context.Context, trigger string) {
+	data, err := os.ReadFile(r.path)
+	if err != nil {
+		r.fail(ctx, trigger, err)
+		return
+	}
+	if bytes.Equal(data, r.last) || (r.lastBad != nil && bytes.Equal(data, r.lastBad)) {
+		if trigger != "poll" {
+			r.metrics.Reload("unchanged")
+		}
+		return
+	}
+	cfg, pol, _, err := loadConfig(r.path, r.v)
+	if err == nil {
+		err = r.apply(cfg, pol)
+	}
+	if err != nil {
+		r.fail(ctx, trigger, err)
+		// The same bad bytes are reported once, not at every poll.
+		r.lastBad = data
+		return
+	}
+	r.last, r.lastBad = data, nil
+	r.metrics.Reload("ok")
+	r.log.Info("policy reloaded", "trigger", trigger, "policy", pol.Version(), "tenants", len(pol.Tenants()))
+	_ = r.audit.Write(ctx, &audit.Record{Time: time.Now().UTC(), Kind: audit.KindConfigReload, Decision: audit.DecisionAllow, Policy: pol.Version(), Message: "policy reloaded (" + trigger + ")"})
+}
+
+func (r *reloader) fail(ctx context.Context, trigger string, err error) {
+	r.metrics.Reload("failed")
+	r.log.Error("config reload failed; the running policy stays in force", "trigger", trigger, "err", err)
+	_ = r.audit.Write(ctx, &audit.Record{Time: time.Now().UTC(), Kind: audit.KindConfigReload, Decision: audit.DecisionError, Message: "config reload failed; previous policy kept"})
+}
