@@ -413,11 +413,7 @@ func (w *Writer) writeBatch(batch []*pending) (bool, error) {
 		add(appendBody(nil, &h))
 	}
 	if w.gap > 0 {
-		msg := "records were accepted but could not be written (failure policy open)"
-		if w.opts.OnFailure == FailClosed {
-			msg = "records could not be written; their callers were refused (failure policy closed)"
-		}
-		add(appendBody(nil, &Record{Time: now, Kind: KindAuditGap, Lost: w.gap, Message: msg}))
+		add(appendBody(nil, gapRecord(now, w.gap, w.opts.OnFailure)))
 	}
 	for _, p := range batch {
 		add(p.body)
@@ -754,4 +750,14 @@ func firstLine(path string) ([]byte, bool) {
 		return nil, false
 	}
 	return bytes.TrimSuffix(line, []byte{'\n'}), true
+}
+
+// gapRecord says how many records could not be written, and what their
+// callers were told.
+func gapRecord(now time.Time, lost uint64, policy string) *Record {
+	msg := "records were accepted but could not be written (failure policy open)"
+	if policy == FailClosed {
+		msg = "records could not be written; their callers were refused (failure policy closed)"
+	}
+	return &Record{Time: now, Kind: KindAuditGap, Lost: lost, Message: msg}
 }
