@@ -149,7 +149,7 @@ func Compile(cfg *Config) (*Policy, error) {
 	if cfg == nil {
 		return nil, Errors{{Msg: "no configuration"}}
 	}
-	cp, err := cloneConfig(cfg)
+	cp, version, err := cloneConfig(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("rules: copy config: %w", err)
 	}
@@ -162,7 +162,7 @@ func Compile(cfg *Config) (*Policy, error) {
 	if cp.Version != 1 {
 		el.add("version", "unsupported version %d; this sluice reads version 1", cp.Version)
 	}
-	checkNonNegative(reflect.ValueOf(cp).Elem(), "", el)
+	checkNonNegative(reflect.ValueOf(cp).Elem(), new([]pathPart), el)
 	c.server(cp)
 	c.secrets(cp.Secrets)
 	for i := range cp.Tenants {
@@ -171,26 +171,24 @@ func Compile(cfg *Config) (*Policy, error) {
 	if err := el.err(); err != nil {
 		return nil, err
 	}
-	sum, err := json.Marshal(cp)
-	if err != nil {
-		return nil, fmt.Errorf("rules: hash config: %w", err)
-	}
-	h := sha256.Sum256(sum)
-	c.p.version = "sha256:" + hex.EncodeToString(h[:])
+	c.p.version = version
 	return c.p, nil
 }
 
-func cloneConfig(cfg *Config) (*Config, error) {
+// cloneConfig returns a private deep copy of cfg (so later changes by the
+// caller cannot reach the policy) and a hash of its content.
+func cloneConfig(cfg *Config) (*Config, string, error) {
 	b, err := json.Marshal(cfg)
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	cp := &Config{}
 	if err := json.Unmarshal(b, cp); err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	cp.source, cp.lines = cfg.source, cfg.lines
-	return cp, nil
+	h := sha256.Sum256(b)
+	return cp, "sha256:" + hex.EncodeToString(h[:]), nil
 }
 
 type compiler struct {
@@ -210,33 +208,60 @@ func (c *compiler) server(cfg *Config) {
 }
 
 // checkNonNegative refuses negative (or non-finite) numbers anywhere in the
-// config: counts, limits, durations and sizes have no negative meaning.
-func checkNonNegative(v reflect.Value, path string, el *errList) {
+// config: counts, limits, durations and sizes have no negative meaning. The
+// key path is kept as a stack and rendered only for an error; building every
+// path eagerly dominated the cost of compiling large configs.
+func checkNonNegative(v reflect.Value, at *[]pathPart, el *errList) {
 	switch v.Kind() {
 	case reflect.Pointer:
 		if !v.IsNil() {
-			checkNonNegative(v.Elem(), path, el)
+			checkNonNegative(v.Elem(), at, el)
 		}
 	case reflect.Struct:
 		t := v.Type()
 		for i := 0; i < t.NumField(); i++ {
 			if f := t.Field(i); f.IsExported() {
-				checkNonNegative(v.Field(i), joinPath(path, f.Tag.Get("mapstructure")), el)
+				*at = append(*at, pathPart{key: f.Tag.Get("mapstructure")})
+				checkNonNegative(v.Field(i), at, el)
+				*at = (*at)[:len(*at)-1]
 			}
 		}
 	case reflect.Slice:
 		for i := 0; i < v.Len(); i++ {
-			checkNonNegative(v.Index(i), fmt.Sprintf("%s[%d]", path, i), el)
+			*at = append(*at, pathPart{idx: i})
+			checkNonNegative(v.Index(i), at, el)
+			*at = (*at)[:len(*at)-1]
 		}
 	case reflect.Int, reflect.Int64:
 		if v.Int() < 0 {
-			el.add(path, "must not be negative")
+			el.add(renderPath(*at), "must not be negative")
 		}
 	case reflect.Float64:
 		if f := v.Float(); f < 0 || math.IsNaN(f) || math.IsInf(f, 0) {
-			el.add(path, "must be a finite, non-negative number")
+			el.add(renderPath(*at), "must be a finite, non-negative number")
 		}
 	}
+}
+
+// pathPart is one step of a key path: a key, or a list index when key is empty.
+type pathPart struct {
+	key string
+	idx int
+}
+
+func renderPath(parts []pathPart) string {
+	var b strings.Builder
+	for _, p := range parts {
+		if p.key == "" {
+			fmt.Fprintf(&b, "[%d]", p.idx)
+			continue
+		}
+		if b.Len() > 0 {
+			b.WriteByte('.')
+		}
+		b.WriteString(p.key)
+	}
+	return b.String()
 }
 
 func (c *compiler) secrets(specs []SecretSpec) {
@@ -461,34 +486,32 @@ func (c *compiler) rule(tenant string, rs *RuleSpec, deny bool, n int, path stri
 	if len(r.Ports) == 0 {
 		r.Ports = []int{80, 443}
 	}
+	elem := func(key string, i int) string { return fmt.Sprintf("%s.%s[%d]", path, key, i) }
 	for i, p := range rs.Ports {
-		pp := fmt.Sprintf("%s.ports[%d]", path, i)
 		if p < 1 || p > 65535 {
-			fail(pp, "port must be 1-65535, got %d", p)
+			fail(elem("ports", i), "port must be 1-65535, got %d", p)
 		} else if slices.Index(rs.Ports, p) != i {
-			fail(pp, "duplicate port %d", p)
+			fail(elem("ports", i), "duplicate port %d", p)
 		}
 	}
 	for i, m := range rs.Methods {
-		mp := fmt.Sprintf("%s.methods[%d]", path, i)
 		switch {
 		case !methodPattern.MatchString(m):
-			fail(mp, "invalid method %q: want an upper-case token such as GET", m)
+			fail(elem("methods", i), "invalid method %q: want an upper-case token such as GET", m)
 		case m == "CONNECT":
-			fail(mp, "CONNECT is decided by host and port alone; leave it out of methods")
+			fail(elem("methods", i), "CONNECT is decided by host and port alone; leave it out of methods")
 		case slices.Index(rs.Methods, m) != i:
-			fail(mp, "duplicate method %q", m)
+			fail(elem("methods", i), "duplicate method %q", m)
 		}
 	}
 	for i, p := range rs.Paths {
-		pp := fmt.Sprintf("%s.paths[%d]", path, i)
 		pat, err := compilePathPattern(p)
 		if err != nil {
-			fail(pp, "%v", err)
+			fail(elem("paths", i), "%v", err)
 			continue
 		}
 		if slices.Index(rs.Paths, p) != i {
-			fail(pp, "duplicate path %q", p)
+			fail(elem("paths", i), "duplicate path %q", p)
 		}
 		r.patterns = append(r.patterns, pat)
 	}
