@@ -22,7 +22,7 @@ func TestNormalizeHost(t *testing.T) {
 		{in: "bücher.example", want: "xn--bcher-kva.example"},
 		{in: "BÜCHER.example", want: "xn--bcher-kva.example"},
 		{in: "xn--bcher-kva.example", want: "xn--bcher-kva.example"},
-		{in: "ｅｘａｍｐｌｅ.com", want: "example.com"},        // full-width maps to ASCII
+		{in: "ｅｘａｍｐｌｅ.com", want: "example.com"},         // full-width maps to ASCII
 		{in: "example\u3002com", want: "example.com"},    // ideographic full stop is a dot
 		{in: "123.example.com", want: "123.example.com"}, // numeric labels fine when not last
 		{in: "a.0x1f.example", want: "a.0x1f.example"},
