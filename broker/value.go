@@ -12,47 +12,38 @@ const Redacted = "[REDACTED]"
 // including %#v and %x), JSON- or text-encoded, or logged with slog; only
 // Bytes and Reveal hand out the secret, so it can only escape on purpose.
 //
-// The bytes sit behind a pointer to an unexported type so that fmt, printing a
-// struct that holds a Value in an unexported field (where it cannot call our
-// methods), shows an address rather than the bytes.
+// The bytes are only reachable through a closure: fmt's reflection, which
+// takes over where it cannot call our methods (a Value in an unexported
+// struct field, or behind a bad verb), prints a func as an address.
 type Value struct {
-	s *secretBytes
-}
-
-type secretBytes struct {
-	v string
+	reveal func() string
 }
 
 // NewValue wraps b; b is copied, so the caller may wipe or reuse it.
-func NewValue(b []byte) Value {
-	return Value{s: &secretBytes{v: string(b)}}
-}
+func NewValue(b []byte) Value { return valueOf(string(b)) }
+
+func valueOf(s string) Value { return Value{reveal: func() string { return s }} }
 
 // IsZero reports whether v holds no value (never fetched, or empty).
-func (v Value) IsZero() bool { return v.s == nil || v.s.v == "" }
+func (v Value) IsZero() bool { return v.Reveal() == "" }
 
 // Len is the length of the secret in bytes (safe to log).
-func (v Value) Len() int {
-	if v.s == nil {
-		return 0
-	}
-	return len(v.s.v)
-}
+func (v Value) Len() int { return len(v.Reveal()) }
 
 // Reveal returns the secret as a string, for setting a header.
 func (v Value) Reveal() string {
-	if v.s == nil {
+	if v.reveal == nil {
 		return ""
 	}
-	return v.s.v
+	return v.reveal()
 }
 
 // Bytes returns a copy of the secret, for the response scrubber.
 func (v Value) Bytes() []byte {
-	if v.s == nil {
+	if v.reveal == nil {
 		return nil
 	}
-	return []byte(v.s.v)
+	return []byte(v.reveal())
 }
 
 // Equal reports whether two values hold the same secret.
