@@ -3,7 +3,9 @@ package rules
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
+	"strconv"
 	"strings"
 
 	"golang.org/x/net/idna"
@@ -170,4 +172,45 @@ func normalizeRuleHost(h string) (host string, wildcard, isIP bool, err error) {
 	}
 	n, ip, err := NormalizeHost(h)
 	return n, false, ip, err
+}
+
+// ParseAuthority splits a request authority ("host", "host:port", "[v6]",
+// "[v6]:port") and normalises its host, with the proxy's rules: a port, when
+// present, is decimal 1-65535 without sign or leading zero; defaultPort 0
+// makes the port required (CONNECT); an unbracketed IPv6 literal is refused
+// because its last group would read as a port.
+func ParseAuthority(authority string, defaultPort int) (host string, isIP bool, port int, err error) {
+	if authority == "" {
+		return "", false, 0, errors.New("empty authority")
+	}
+	h, portStr, splitErr := net.SplitHostPort(authority)
+	switch {
+	case splitErr == nil:
+		if portStr == "" || portStr[0] == '0' || len(portStr) > 5 {
+			return "", false, 0, fmt.Errorf("invalid port %q", portStr)
+		}
+		for i := 0; i < len(portStr); i++ {
+			if portStr[i] < '0' || portStr[i] > '9' {
+				return "", false, 0, fmt.Errorf("invalid port %q", portStr)
+			}
+		}
+		port, _ = strconv.Atoi(portStr)
+		if port > 65535 {
+			return "", false, 0, fmt.Errorf("invalid port %q", portStr)
+		}
+		if strings.Contains(h, ":") {
+			h = "[" + h + "]" // NormalizeHost wants brackets or a bare literal; keep one spelling
+		}
+	case defaultPort == 0:
+		return "", false, 0, errors.New("want host:port")
+	case strings.Contains(authority, ":") && !strings.HasPrefix(authority, "["):
+		return "", false, 0, errors.New("an IPv6 literal must be in brackets")
+	default:
+		h, port = authority, defaultPort
+	}
+	host, isIP, err = NormalizeHost(h)
+	if err != nil {
+		return "", false, 0, err
+	}
+	return host, isIP, port, nil
 }

@@ -57,6 +57,7 @@ func newRootCmd() *cobra.Command {
 	root.AddCommand(newServeCmd())
 	root.AddCommand(newCACmd())
 	root.AddCommand(newTokenCmd())
+	root.AddCommand(newRulesCmd())
 	return root
 }
 
