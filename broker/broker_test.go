@@ -352,3 +352,20 @@ func BenchmarkGet(b *testing.B) {
 		}
 	})
 }
+
+func TestExampleVaultConfig(t *testing.T) {
+	data, err := os.ReadFile("../examples/vault/sluice.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := rules.Parse(data, "examples/vault/sluice.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rules.Compile(cfg); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(cfg.Broker, cfg.Secrets, Options{}); err != nil {
+		t.Fatal(err)
+	}
+}
