@@ -40,6 +40,9 @@ type Launcher struct {
 	// launcher is root; 0 means DefaultHostID. Unprivileged launchers map to
 	// their own ids.
 	HostUID, HostGID int
+	// Started, if set, is called once the command runs, with the sandbox id,
+	// the limit mechanism and the Landlock status filled in.
+	Started func(Result)
 }
 
 // NewSandboxID returns a random sandbox id ("sb-" + 16 hex digits).
@@ -306,7 +309,10 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 			UidMappings:                uidMap,
 			GidMappings:                gidMap,
 			GidMappingsEnableSetgroups: false,
-			Setsid:                     true,
+			// Become the namespace's root before exec, or exec would drop the
+			// capabilities the init needs to build the sandbox.
+			Credential: &syscall.Credential{Uid: 0, Gid: 0, NoSetGroups: true},
+			Setsid:     true,
 		},
 	}
 	if err := cmd.Start(); err != nil {
@@ -403,6 +409,9 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 		return res, err
 	}
 	res.Landlock = m.m.Landlock
+	if r.l.Started != nil {
+		r.l.Started(Result{SandboxID: r.id, Mechanism: res.Mechanism, Landlock: res.Landlock, Start: r.start})
+	}
 
 	// The command runs. It ends by exiting, by the timeout, by the caller
 	// cancelling, or by the init dying (memory limit, kill).
@@ -482,7 +491,12 @@ func (r *run) copyIn(initPID int) error {
 	}
 	defer dst.Close()
 	uidMap, gidMap := r.l.idMaps()
-	if err := copyTree(src, dst, uidMap[0].HostID, gidMap[0].HostID); err != nil {
+	w, err := newFSIDWorker(uidMap[0].HostID, gidMap[0].HostID)
+	if err != nil {
+		return fmt.Errorf("copying workspace in: %w", err)
+	}
+	defer w.close()
+	if err := copyTree(src, dst, w.do); err != nil {
 		return fmt.Errorf("copying workspace in: %w", err)
 	}
 	return nil
@@ -504,9 +518,5 @@ func (r *run) copyOut(initPID int) error {
 		return err
 	}
 	defer src.Close()
-	uid := -1
-	if os.Geteuid() == 0 {
-		uid = 0
-	}
-	return copyTree(src, dst, uid, uid)
+	return copyTree(src, dst, direct)
 }

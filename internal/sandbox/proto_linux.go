@@ -32,11 +32,11 @@ const (
 )
 
 type message struct {
-	Type     string      `json:"type"`
-	Error    string      `json:"error,omitempty"`
-	Exit     int         `json:"exit,omitempty"`
-	Signal   int         `json:"signal,omitempty"`
-	Landlock string      `json:"landlock,omitempty"`
+	Type     string `json:"type"`
+	Error    string `json:"error,omitempty"`
+	Exit     int    `json:"exit,omitempty"`
+	Signal   int    `json:"signal,omitempty"`
+	Landlock string `json:"landlock,omitempty"`
 }
 
 // initConfig is everything the init needs. It holds the sandbox environment

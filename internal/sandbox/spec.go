@@ -18,8 +18,8 @@ const (
 	CABundlePath  = "/sluice/ca.pem"
 	// RelayAddr is where the sandbox reaches the proxy: a listener inside the
 	// sandbox's network namespace whose connections the launcher relays.
-	RelayAddr = "127.0.0.1:3128"
-	relayPort = 3128
+	RelayAddr   = "127.0.0.1:3128"
+	relayPort   = 3128
 	sandboxPATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 )
 
@@ -186,10 +186,10 @@ type Event struct {
 	Mechanism string
 	Landlock  string
 	Start     time.Time
-	End       time.Time   // run only
-	ExitCode  int         // run only
-	KilledBy  string      // run only
-	Error     string      // launch failure, if any
+	End       time.Time // run only
+	ExitCode  int       // run only
+	KilledBy  string    // run only
+	Error     string    // launch failure, if any
 }
 
 // proxyVars must point at the relay; a caller may not override them in any case.

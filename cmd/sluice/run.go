@@ -1,0 +1,244 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
+
+	"github.com/sluicehq/sluice/internal/audit"
+	"github.com/sluicehq/sluice/internal/identity"
+	"github.com/sluicehq/sluice/internal/sandbox"
+	"github.com/sluicehq/sluice/rules"
+)
+
+func newRunCmd() *cobra.Command {
+	var (
+		tenant, proxy, workspace, key, caBundle, configPath, auditPath, root string
+		memory, disk, tmpSize, stateDir                                      string
+		keep, allowNoLandlock, sweep                                         bool
+		timeout                                                              time.Duration
+		cpus                                                                 float64
+		pids, files                                                          int64
+		env                                                                  []string
+	)
+	cmd := &cobra.Command{
+		Use:   "run --tenant T [flags] -- CMD [ARGS...]",
+		Short: "Run a command in a sandbox whose only way out is the proxy",
+		Long: `Run a command in Linux namespaces with a read-only root, a capped workspace,
+no network but a relay to the proxy at 127.0.0.1:3128 (HTTP_PROXY and friends
+carry a fresh sandbox credential), resource limits, no_new_privs, Landlock and
+seccomp. sluice exits with the command's status, or 124 on timeout, 137 when
+the memory limit killed it, 125 when the sandbox could not be started.
+See docs/launcher.md.`,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			stateRoot := sandbox.DefaultStateRoot()
+			if stateDir != "" {
+				stateRoot = stateDir
+			}
+			if sweep {
+				n, err := sandbox.Sweep(ctx, stateRoot)
+				fmt.Fprintf(cmd.ErrOrStderr(), "sluice: swept %d leftover sandbox(es)\n", n)
+				return err
+			}
+			if len(args) == 0 {
+				return &exitError{code: sandbox.ExitLaunchFailed, msg: "run needs a command after --"}
+			}
+			var cfg *rules.Config
+			if configPath != "" {
+				data, err := os.ReadFile(configPath)
+				if err != nil {
+					return &exitError{code: sandbox.ExitLaunchFailed, msg: fmt.Sprintf("reading config: %v", err)}
+				}
+				if cfg, err = rules.Parse(data, configPath); err != nil {
+					return &exitError{code: sandbox.ExitLaunchFailed, msg: err.Error()}
+				}
+				dir := filepath.Dir(configPath)
+				rel := func(p string) string {
+					if p == "" || p == "-" || filepath.IsAbs(p) {
+						return p
+					}
+					return filepath.Join(dir, p)
+				}
+				if key == "" {
+					key = rel(cfg.Identity.TokenKeyFile)
+				}
+				if auditPath == "" {
+					auditPath = rel(cfg.Audit.Path)
+				}
+				if proxy == "" && cfg.Server.Listen != "" {
+					proxy = cfg.Server.Listen
+				}
+			}
+			if proxy == "" {
+				proxy = "127.0.0.1:3128"
+			}
+			if key == "" {
+				return &exitError{code: sandbox.ExitLaunchFailed, msg: "run needs --key FILE (or --config with identity.token_key_file) to mint the sandbox credential"}
+			}
+			k, err := identity.LoadKeyFile(key)
+			if err != nil {
+				return &exitError{code: sandbox.ExitLaunchFailed, msg: err.Error()}
+			}
+			limits := sandbox.Limits{Timeout: timeout, CPUs: cpus, Pids: pids, Files: files}
+			for _, s := range []struct {
+				flag, v string
+				dst     *int64
+			}{{"memory", memory, &limits.MemoryBytes}, {"disk", disk, &limits.DiskBytes}, {"tmp-size", tmpSize, &limits.TmpBytes}} {
+				if s.v == "" {
+					continue
+				}
+				n, err := rules.ParseSize(s.v)
+				if err != nil {
+					return &exitError{code: sandbox.ExitLaunchFailed, msg: fmt.Sprintf("--%s: %v", s.flag, err)}
+				}
+				*s.dst = n.Bytes()
+			}
+			spec := sandbox.Spec{
+				Tenant: tenant, Command: args, Proxy: proxy, Workspace: workspace,
+				CABundle: caBundle, RootDir: root, Env: env, Limits: limits,
+				AllowNoLandlock: allowNoLandlock,
+				Stdin:           os.Stdin, Stdout: os.Stdout, Stderr: os.Stderr,
+			}
+			if keep {
+				spec.KeepDir = workspace
+			}
+			if t := os.Getenv("TERM"); isTerminal(os.Stdout) && sandbox.ValidTerm(t) {
+				spec.Term = t // interactive use only; nothing else of our environment is passed
+			}
+			logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+			l := &sandbox.Launcher{
+				Minter:    keyMinter{key: k},
+				Logger:    logger,
+				StateRoot: stateRoot,
+			}
+			if auditPath != "" {
+				w, err := audit.Open(audit.Options{Path: auditPath, Fsync: "always", Logger: logger})
+				if err != nil {
+					return &exitError{code: sandbox.ExitLaunchFailed, msg: fmt.Sprintf("audit log: %v", err)}
+				}
+				defer w.Close(context.WithoutCancel(ctx))
+				l.Recorder = auditRecorder{w: w}
+			}
+			if keep && workspace == "" {
+				// Decide the directory now so the id in its name matches nothing secret.
+				spec.KeepDir = filepath.Join(".", "sluice-workspace-"+strconv.FormatInt(time.Now().UnixNano(), 36))
+			}
+			l.Started = func(r sandbox.Result) {
+				fmt.Fprintf(os.Stderr, "sluice: sandbox %s: limits via %s, landlock %s, seccomp on\n", r.SandboxID, r.Mechanism, r.Landlock)
+			}
+			res, err := l.Run(ctx, spec)
+			if keep && res.Message == "" && err == nil {
+				fmt.Fprintf(os.Stderr, "sluice: workspace kept in %s\n", spec.KeepDir)
+			}
+			if err != nil {
+				return &exitError{code: sandbox.ExitLaunchFailed, msg: res.Message}
+			}
+			if res.ExitCode != 0 || res.Message != "" {
+				return &exitError{code: res.ExitCode, msg: res.Message}
+			}
+			return nil
+		},
+	}
+	f := cmd.Flags()
+	f.SetInterspersed(false)
+	f.StringVar(&tenant, "tenant", "", "tenant whose policy applies (required)")
+	f.StringVar(&proxy, "proxy", "", "proxy address: host:port or unix:/path (default: the config's server.listen, else 127.0.0.1:3128)")
+	f.StringVar(&workspace, "workspace", "", "host directory copied into /workspace (and back with --keep)")
+	f.BoolVar(&keep, "keep", false, "copy /workspace out after the run (into --workspace, or a new ./sluice-workspace-* directory)")
+	f.DurationVar(&timeout, "timeout", sandbox.DefaultTimeout, "wall-clock limit; the whole sandbox is killed (exit 124)")
+	f.StringVar(&memory, "memory", "512MiB", "memory limit")
+	f.Float64Var(&cpus, "cpus", 0, "CPU limit in cores (0: none)")
+	f.Int64Var(&pids, "pids", sandbox.DefaultPids, "process/thread limit")
+	f.StringVar(&disk, "disk", "256MiB", "workspace size")
+	f.Int64Var(&files, "files", sandbox.DefaultFiles, "workspace file count (inodes)")
+	f.StringVar(&tmpSize, "tmp-size", "64MiB", "/tmp size")
+	f.StringArrayVar(&env, "env", nil, "KEY=VALUE for the sandbox (repeatable; proxy and CA variables are reserved)")
+	f.StringVar(&key, "key", "", "token key file (default: the config's identity.token_key_file)")
+	f.StringVar(&caBundle, "ca-bundle", "", "PEM bundle the sandbox trusts (from `sluice ca bundle`), mounted at "+sandbox.CABundlePath)
+	f.StringVarP(&configPath, "config", "c", "", "configuration file for defaults (key, audit path, proxy address)")
+	f.StringVar(&auditPath, "audit", "", "audit log file for launch/run records (default: the config's audit.path)")
+	f.StringVar(&root, "root", "", "directory to use as the read-only root instead of the host's system directories")
+	f.BoolVar(&allowNoLandlock, "allow-no-landlock", false, "run even if the kernel has no Landlock (default: refuse)")
+	f.BoolVar(&sweep, "sweep", false, "only remove leftovers (cgroups, state) of crashed earlier runs, then exit")
+	f.StringVar(&stateDir, "state-dir", "", "directory for per-run state (default /run/sluice for root)")
+	_ = f.MarkHidden("state-dir")
+	_ = cmd.MarkFlagRequired("tenant")
+	return cmd
+}
+
+// newSandboxInitCmd is the hidden entry point of the sandbox's init: the
+// launcher re-executes this binary with it inside the new namespaces.
+func newSandboxInitCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:                sandbox.InitCommand,
+		Hidden:             true,
+		DisableFlagParsing: true,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if code := sandbox.Init(cmd.Context()); code != 0 {
+				return &exitError{code: code}
+			}
+			return nil
+		},
+	}
+}
+
+// keyMinter adapts identity.Mint to the launcher's TokenMinter.
+type keyMinter struct{ key identity.Key }
+
+func (m keyMinter) Mint(tenant, sandboxID string, ttl time.Duration) (string, error) {
+	return identity.Mint(m.key, tenant, sandboxID, ttl, time.Now())
+}
+
+// auditRecorder turns launcher events into audit records.
+type auditRecorder struct{ w *audit.Writer }
+
+func (a auditRecorder) Record(ctx context.Context, ev sandbox.Event) error {
+	kind := audit.KindLaunch
+	if ev.Kind == sandbox.EventRun {
+		kind = audit.KindRun
+	}
+	rec := &audit.Record{
+		V: audit.SchemaVersion, Time: ev.Time, Kind: kind,
+		Tenant: ev.Tenant, Sandbox: ev.Sandbox, Command: ev.Command,
+		Launcher: strconv.Itoa(ev.UID) + ":" + ev.User,
+		Limits: &audit.Limits{
+			MemoryBytes: ev.Limits.MemoryBytes, PIDs: ev.Limits.Pids, CPUs: ev.Limits.CPUs,
+			TimeoutMS: ev.Limits.Timeout.Milliseconds(), WorkspaceBytes: ev.Limits.DiskBytes,
+			TmpBytes: ev.Limits.TmpBytes,
+		},
+		KilledBy: ev.KilledBy,
+	}
+	msg := []string{"limits=" + ev.Mechanism, "landlock=" + ev.Landlock}
+	if len(ev.EnvNames) > 0 {
+		msg = append(msg, "env="+strings.Join(ev.EnvNames, ","))
+	}
+	if kind == audit.KindRun {
+		code := ev.ExitCode
+		rec.ExitCode = &code
+		rec.DurationMS = float64(ev.End.Sub(ev.Start).Microseconds()) / 1000
+	}
+	if ev.Error != "" {
+		rec.Decision = audit.DecisionError
+		msg = append(msg, "error="+ev.Error)
+	}
+	rec.Message = strings.Join(msg, " ")
+	if err := a.w.Write(ctx, rec); err != nil {
+		return errors.Join(errors.New("writing audit record"), err)
+	}
+	return nil
+}
+
+func isTerminal(f *os.File) bool {
+	_, err := unix.IoctlGetTermios(int(f.Fd()), unix.TCGETS)
+	return err == nil
+}
