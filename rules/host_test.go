@@ -137,3 +137,40 @@ func TestNormalizeRuleHost(t *testing.T) {
 		}
 	}
 }
+
+func TestParseAuthority(t *testing.T) {
+	tests := []struct {
+		in   string
+		def  int
+		host string
+		isIP bool
+		port int
+		ok   bool
+	}{
+		{"example.com", 80, "example.com", false, 80, true},
+		{"Example.COM:8443", 80, "example.com", false, 8443, true},
+		{"example.com.:443", 0, "example.com", false, 443, true},
+		{"127.0.0.1:3128", 0, "127.0.0.1", true, 3128, true},
+		{"[::1]:443", 0, "::1", true, 443, true},
+		{"[2001:DB8::1]", 443, "2001:db8::1", true, 443, true},
+		{"example.com", 0, "", false, 0, false}, // CONNECT needs a port
+		{"", 80, "", false, 0, false},
+		{"example.com:", 80, "", false, 0, false},
+		{"example.com:0", 80, "", false, 0, false},
+		{"example.com:0443", 80, "", false, 0, false},
+		{"example.com:+443", 80, "", false, 0, false},
+		{"example.com:65536", 80, "", false, 0, false},
+		{"example.com:http", 80, "", false, 0, false},
+		{"::1", 80, "", false, 0, false},
+		{"2001:db8::1:443", 80, "", false, 0, false},
+		{"user@example.com:443", 80, "", false, 0, false},
+		{"2130706433:80", 80, "", false, 0, false},
+		{"[::ffff:127.0.0.1]:80", 80, "", false, 0, false},
+	}
+	for _, tt := range tests {
+		host, isIP, port, err := ParseAuthority(tt.in, tt.def)
+		if (err == nil) != tt.ok || host != tt.host || isIP != tt.isIP || port != tt.port {
+			t.Errorf("ParseAuthority(%q, %d) = %q, %v, %d, %v; want %q, %v, %d, ok=%v", tt.in, tt.def, host, isIP, port, err, tt.host, tt.isIP, tt.port, tt.ok)
+		}
+	}
+}
