@@ -26,17 +26,28 @@ const scrubChunk = 32 << 10
 // Accept-Encoding: identity on every request that carries a secret and refuses
 // (502) a response that still arrives encoded; see CheckScrubbable.
 type Scrubber struct {
-	src      io.ReadCloser
-	secrets  [][]byte
-	repl     []byte
-	maxLen   int
-	buf      []byte // unscrubbed bytes: the kept tail, then fresh reads
-	out      []byte // scrubbed bytes not yet returned
-	outOff   int
-	next     []int // per secret: absolute index in buf of its next match, -1 none, -2 unknown
+	src     io.ReadCloser
+	secrets [][]byte
+	repl    []byte
+	maxLen  int
+
+	// buf holds the current window of the body. Bytes before ready have been
+	// scanned (matches lists the secrets found there); bytes from ready on
+	// are the undecided tail plus fresh reads. Read copies straight from buf,
+	// so a body without secrets is copied once more than it would be anyway.
+	buf     []byte
+	rpos    int // next byte of buf to return
+	ready   int
+	matches []match
+	mi      int // next entry of matches
+	replOff int // bytes of repl already returned for the current match; len(repl): none pending
+	next    []int
+
 	err      error // sticky error from src (io.EOF included)
 	scrubbed bool
 }
+
+type match struct{ start, len int }
 
 // NewScrubber wraps body. Empty and duplicate secrets are ignored; a nil
 // replacement means Redacted. With no secrets left the body is passed through.
@@ -44,7 +55,7 @@ func NewScrubber(body io.ReadCloser, secrets [][]byte, replacement []byte) *Scru
 	if replacement == nil {
 		replacement = []byte(Redacted)
 	}
-	s := &Scrubber{src: body, repl: replacement}
+	s := &Scrubber{src: body, repl: replacement, replOff: len(replacement)}
 	seen := make(map[string]bool, len(secrets))
 	for _, sec := range secrets {
 		if len(sec) == 0 || seen[string(sec)] {
@@ -73,21 +84,47 @@ func (s *Scrubber) Read(p []byte) (int, error) {
 	if len(s.secrets) == 0 {
 		return s.src.Read(p)
 	}
-	if len(p) == 0 {
-		return 0, nil
-	}
-	for s.outOff == len(s.out) {
-		if s.err != nil && len(s.buf) == 0 {
+	n := 0
+	for n < len(p) {
+		if s.replOff < len(s.repl) {
+			c := copy(p[n:], s.repl[s.replOff:])
+			s.replOff += c
+			n += c
+			continue
+		}
+		if s.rpos < s.ready {
+			end := s.ready
+			if s.mi < len(s.matches) {
+				m := s.matches[s.mi]
+				if m.start == s.rpos {
+					s.rpos += m.len
+					s.mi++
+					s.replOff = 0
+					s.scrubbed = true
+					continue
+				}
+				end = m.start
+			}
+			c := copy(p[n:], s.buf[s.rpos:end])
+			s.rpos += c
+			n += c
+			continue
+		}
+		if n > 0 {
+			break
+		}
+		if s.err != nil && s.ready == len(s.buf) {
 			return 0, s.err
 		}
-		s.out, s.outOff = s.out[:0], 0
+		// Everything scanned has been returned: keep the undecided tail at
+		// the front, read more and scan again.
+		s.buf = s.buf[:copy(s.buf, s.buf[s.ready:])]
+		s.rpos, s.ready = 0, 0
 		if s.err == nil {
 			s.fill()
 		}
-		s.process(s.err != nil)
+		s.scan(s.err != nil)
 	}
-	n := copy(p, s.out[s.outOff:])
-	s.outOff += n
 	return n, nil
 }
 
@@ -101,9 +138,9 @@ func (s *Scrubber) fill() {
 	}
 }
 
-// process moves every byte of buf that can no longer be part of an unseen
-// match into out, replacing matches; at the end of the stream everything goes.
-func (s *Scrubber) process(final bool) {
+// scan finds the matches in the part of buf that can no longer be extended
+// by later reads (all of it at the end of the stream) and moves ready past it.
+func (s *Scrubber) scan(final bool) {
 	buf := s.buf
 	limit := len(buf)
 	if !final {
@@ -111,12 +148,15 @@ func (s *Scrubber) process(final bool) {
 		limit = len(buf) - (s.maxLen - 1)
 	}
 	for i := range s.next {
-		s.next[i] = -2
+		s.next[i] = -2 // unknown
 	}
+	s.matches, s.mi = s.matches[:0], 0
 	pos := 0
 	for pos < limit {
 		best, bestLen := -1, 0
 		for i, sec := range s.secrets {
+			// next[i] caches where secret i next occurs (-1: nowhere), valid
+			// while it is not behind pos.
 			if s.next[i] == -2 || (s.next[i] >= 0 && s.next[i] < pos) {
 				if j := bytes.Index(buf[pos:], sec); j >= 0 {
 					s.next[i] = pos + j
@@ -131,17 +171,10 @@ func (s *Scrubber) process(final bool) {
 		if best < 0 || best >= limit {
 			break
 		}
-		s.out = append(s.out, buf[pos:best]...)
-		s.out = append(s.out, s.repl...)
-		s.scrubbed = true
+		s.matches = append(s.matches, match{best, bestLen})
 		pos = best + bestLen
 	}
-	if pos < limit {
-		s.out = append(s.out, buf[pos:limit]...)
-		pos = limit
-	}
-	// Keep the undecided tail at the front of buf for the next read.
-	s.buf = buf[:copy(buf, buf[pos:])]
+	s.ready = max(pos, limit, 0)
 }
 
 // ScrubHeader removes secrets from h in place and reports whether it changed
