@@ -144,9 +144,11 @@ func (v *VaultSource) Fetch(ctx context.Context, spec rules.SecretSpec) (Value, 
 		return Value{}, err
 	}
 	val, err := v.read(ctx, spec)
-	if isPermissionDenied(err) {
-		// The token may have been revoked or Vault restarted without it:
-		// log in once more before giving up.
+	if isPermissionDenied(err) && !v.tokenValid(ctx) {
+		// The token was revoked, expired, or Vault restarted without it: log
+		// in once more before giving up. (A valid token denied one path is a
+		// policy problem; logging in again would not help and, with a
+		// single-use wrapped secret id, would lose the login for every secret.)
 		v.authed.Store(false)
 		if err := v.ensureAuth(ctx); err != nil {
 			return Value{}, err
@@ -154,6 +156,14 @@ func (v *VaultSource) Fetch(ctx context.Context, spec rules.SecretSpec) (Value, 
 		val, err = v.read(ctx, spec)
 	}
 	return val, err
+}
+
+// tokenValid reports whether Vault still accepts the client's token.
+func (v *VaultSource) tokenValid(ctx context.Context) bool {
+	ctx, cancel := context.WithTimeout(ctx, v.timeout)
+	defer cancel()
+	_, err := v.client.Auth().Token().LookupSelfWithContext(ctx)
+	return err == nil
 }
 
 func (v *VaultSource) read(ctx context.Context, spec rules.SecretSpec) (Value, error) {

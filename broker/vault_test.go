@@ -264,3 +264,35 @@ func TestVaultClientIgnoresProxyEnvironment(t *testing.T) {
 		t.Fatal("client picked up a token before login")
 	}
 }
+
+// A path the policy denies must not cost the login every other secret needs,
+// even with a single-use wrapped secret id that cannot log in twice.
+func TestVaultPolicyDenialKeepsLogin(t *testing.T) {
+	v := startDevVault(t, "", "")
+	v.putSecret("app", map[string]any{"key": "first-" + randomHex(t, 8)})
+	roleID := v.appRole("sluice", time.Hour, 2*time.Hour)
+	secretID := v.secretID("sluice", true)
+	dir := t.TempDir()
+	cfg := rules.BrokerConfig{
+		Refresh: rules.Duration(200 * time.Millisecond),
+		Vault: rules.VaultConfig{
+			Address: v.URL(), Auth: "approle", SecretIDWrapped: true,
+			RoleIDFile:   writeCred(t, dir, "role-id", roleID),
+			SecretIDFile: writeCred(t, dir, "secret-id", secretID),
+		},
+	}
+	env := startVaultBroker(t, cfg, nil, vaultSpec("ok", "secret/data/app", "key"), vaultSpec("denied", "other/data/x", "key"))
+	if _, err := env.b.Get("denied"); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("denied: %v", err)
+	}
+	eventually(t, 10*time.Second, "several denied refreshes", func() bool {
+		return strings.Count(env.logs.String(), "permission denied") >= 3
+	})
+	val := "second-" + randomHex(t, 8)
+	v.putSecret("app", map[string]any{"key": val})
+	eventually(t, 10*time.Second, "rotation of the allowed secret", func() bool { return env.get("ok") == val })
+	if n := strings.Count(env.logs.String(), "vault approle login"); n != 1 {
+		t.Fatalf("%d logins, want 1", n)
+	}
+	assertNoLeak(t, env.texts(), val, roleID, secretID, v.root)
+}
