@@ -18,11 +18,43 @@ func Follow(ctx context.Context, path string, poll time.Duration, fn func(r *Rec
 	if poll <= 0 {
 		poll = 250 * time.Millisecond
 	}
-	sibs, err := rotatedSiblings(path)
-	if err != nil {
-		return err
+	// Records are passed on in chain order and each once: a file can be seen
+	// both as the active file and, after a rotation, as a rotated one.
+	var (
+		lastSeq uint64
+		started bool
+		genesis string
+	)
+	emitRec := func(r *Record, at Location) error {
+		if r.Kind == KindChain && r.Seq == 1 && r.Hash != genesis {
+			started, genesis = false, r.Hash // a new chain, not one seen again
+		}
+		if started && r.Seq <= lastSeq {
+			return nil
+		}
+		lastSeq, started = r.Seq, true
+		return fn(r, at)
 	}
-	if _, err := Scan(ctx, sibs, fn); err != nil {
+	// catchUp reads the rotated files that hold records after lastSeq. It
+	// runs after the active file is opened, so every file rotated before
+	// that is listed.
+	catchUp := func() error {
+		sibs, err := rotatedSiblings(path)
+		if err != nil {
+			return err
+		}
+		from := 0
+		if started {
+			for i := len(sibs) - 1; i >= 0; i-- {
+				if l, ok := firstLine(sibs[i]); ok {
+					if h, err := parseLine(l); err == nil && h.Seq <= lastSeq {
+						from = i
+						break
+					}
+				}
+			}
+		}
+		_, err = Scan(ctx, sibs[from:], emitRec)
 		return err
 	}
 	var (
@@ -47,7 +79,7 @@ func Follow(ctx context.Context, path string, poll time.Duration, fn func(r *Rec
 			line++
 			var r Record
 			if err := decodeInto(data[:i], &r); err == nil {
-				if err := fn(&r, Location{File: path, Line: line}); err != nil {
+				if err := emitRec(&r, Location{File: path, Line: line}); err != nil {
 					return err
 				}
 			}
@@ -57,6 +89,9 @@ func Follow(ctx context.Context, path string, poll time.Duration, fn func(r *Rec
 		return nil
 	}
 	for {
+		if ctx.Err() != nil {
+			return nil
+		}
 		if f == nil {
 			nf, err := os.Open(path)
 			if err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -68,6 +103,9 @@ func Follow(ctx context.Context, path string, poll time.Duration, fn func(r *Rec
 					return fmt.Errorf("audit: follow: %w", err)
 				}
 				f, partial, line = nf, partial[:0], 0
+				if err := catchUp(); err != nil {
+					return err
+				}
 			}
 		}
 		if f != nil {

@@ -24,12 +24,22 @@ func parseLine(line []byte) (*Record, error) {
 var errSyntax = errors.New("audit: malformed record")
 
 type dec struct {
-	b []byte
-	i int
+	b      []byte
+	i      int
+	intern map[string]string // nil: no interning
 }
 
+// maxIntern bounds the strings one scan keeps for reuse.
+const maxIntern = 1 << 14
+
 func decodeInto(line []byte, r *Record) error {
-	d := dec{b: line}
+	return decodeInterned(line, r, nil)
+}
+
+// decodeInterned is decodeInto sharing repeated strings (tenants, hosts,
+// reasons, ...) through intern, which saves most allocations in long scans.
+func decodeInterned(line []byte, r *Record, intern map[string]string) error {
+	d := dec{b: line, intern: intern}
 	d.ws()
 	if !d.eat('{') {
 		return errSyntax
@@ -85,24 +95,24 @@ func (d *dec) field(key string, r *Record) error {
 		}
 	case "kind":
 		var s string
-		s, err = d.str()
+		s, err = d.istr()
 		r.Kind = Kind(s)
 	case "id":
 		r.ID, err = d.str()
 	case "tunnel_id":
 		r.TunnelID, err = d.str()
 	case "tenant":
-		r.Tenant, err = d.str()
+		r.Tenant, err = d.istr()
 	case "sandbox":
-		r.Sandbox, err = d.str()
+		r.Sandbox, err = d.istr()
 	case "client":
-		r.Client, err = d.str()
+		r.Client, err = d.istr()
 	case "method":
-		r.Method, err = d.str()
+		r.Method, err = d.istr()
 	case "scheme":
-		r.Scheme, err = d.str()
+		r.Scheme, err = d.istr()
 	case "host":
-		r.Host, err = d.str()
+		r.Host, err = d.istr()
 	case "port":
 		var n int64
 		n, err = d.int()
@@ -111,14 +121,14 @@ func (d *dec) field(key string, r *Record) error {
 		r.Path, err = d.str()
 	case "decision":
 		var s string
-		s, err = d.str()
+		s, err = d.istr()
 		r.Decision = Decision(s)
 	case "mode":
-		r.Mode, err = d.str()
+		r.Mode, err = d.istr()
 	case "rule":
-		r.Rule, err = d.str()
+		r.Rule, err = d.istr()
 	case "reason":
-		r.Reason, err = d.str()
+		r.Reason, err = d.istr()
 	case "status":
 		var n int64
 		n, err = d.int()
@@ -130,7 +140,7 @@ func (d *dec) field(key string, r *Record) error {
 	case "duration_ms":
 		r.DurationMS, err = d.float()
 	case "upstream_ip":
-		r.UpstreamIP, err = d.str()
+		r.UpstreamIP, err = d.istr()
 	case "intercepted":
 		r.Intercepted, err = d.bool()
 	case "secrets":
@@ -140,7 +150,7 @@ func (d *dec) field(key string, r *Record) error {
 	case "exfiltration":
 		r.Exfiltration, err = d.bool()
 	case "policy":
-		r.Policy, err = d.str()
+		r.Policy, err = d.istr()
 	case "message":
 		r.Message, err = d.str()
 	case "command":
@@ -154,9 +164,9 @@ func (d *dec) field(key string, r *Record) error {
 			r.ExitCode = &c
 		}
 	case "killed_by":
-		r.KilledBy, err = d.str()
+		r.KilledBy, err = d.istr()
 	case "launcher":
-		r.Launcher, err = d.str()
+		r.Launcher, err = d.istr()
 	case "lost":
 		var n int64
 		n, err = d.int()
@@ -349,7 +359,7 @@ func (d *dec) strs() ([]string, error) {
 	}
 	for {
 		d.ws()
-		s, err := d.str()
+		s, err := d.istr()
 		if err != nil {
 			return nil, err
 		}
@@ -363,6 +373,31 @@ func (d *dec) strs() ([]string, error) {
 		}
 		return nil, errSyntax
 	}
+}
+
+// istr is str for values that repeat across records.
+func (d *dec) istr() (string, error) {
+	if d.intern == nil || d.i >= len(d.b) || d.b[d.i] != '"' {
+		return d.str()
+	}
+	end := d.i + 1
+	for end < len(d.b) && d.b[end] != '"' && d.b[end] != '\\' && d.b[end] >= 0x20 && d.b[end] < utf8.RuneSelf {
+		end++
+	}
+	if end >= len(d.b) || d.b[end] != '"' {
+		return d.str()
+	}
+	raw := d.b[d.i+1 : end]
+	if s, ok := d.intern[string(raw)]; ok {
+		d.i = end + 1
+		return s, nil
+	}
+	s := string(raw)
+	if len(d.intern) < maxIntern {
+		d.intern[s] = s
+	}
+	d.i = end + 1
+	return s, nil
 }
 
 // str decodes a JSON string. Strings without escapes are the common case and

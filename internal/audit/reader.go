@@ -32,6 +32,7 @@ type ScanStats struct {
 func Scan(ctx context.Context, files []string, fn func(r *Record, at Location) error) (ScanStats, error) {
 	var st ScanStats
 	var r Record
+	intern := make(map[string]string)
 	for _, path := range files {
 		if err := scanFile(ctx, path, func(line []byte, n int, complete bool) error {
 			if !complete {
@@ -39,7 +40,7 @@ func Scan(ctx context.Context, files []string, fn func(r *Record, at Location) e
 				return nil
 			}
 			r = Record{}
-			if err := decodeInto(line, &r); err != nil {
+			if err := decodeInterned(line, &r, intern); err != nil {
 				st.Malformed++
 				return nil
 			}

@@ -6,8 +6,8 @@ import (
 	"os"
 	"reflect"
 	"regexp"
-	"strings"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 )
