@@ -128,12 +128,40 @@ var schemaKey = regexp.MustCompile(`^[a-z][a-z0-9_]*$`)
 // walker checks a YAML node tree against the Config type and records the line
 // of every key path it visits.
 type walker struct {
-	el *errList
+	el          *errList
+	inAlias     int // depth of alias expansions being walked
+	aliasVisits int
+	stopped     bool
 }
 
+// Aliases let a small file name the same subtree over and over (the "billion
+// laughs"), and the walk follows them, so nodes reached through an alias are
+// counted and bounded. Nodes written out are visited once each.
+const (
+	maxAliasVisits = 100_000
+	maxErrors      = 200
+)
+
 func (w *walker) walk(n *yaml.Node, t reflect.Type, path string) {
+	if w.stopped {
+		return
+	}
+	if len(w.el.errs) >= maxErrors {
+		w.stopped = true
+		w.el.addAt(n.Line, path, "too many errors; stopping here")
+		return
+	}
 	if n.Kind == yaml.AliasNode {
 		n = n.Alias
+		w.inAlias++
+		defer func() { w.inAlias-- }()
+	}
+	if w.inAlias > 0 {
+		if w.aliasVisits++; w.aliasVisits > maxAliasVisits {
+			w.stopped = true
+			w.el.addAt(n.Line, path, "document too heavily aliased (more than %d nodes reached through aliases)", maxAliasVisits)
+			return
+		}
 	}
 	if path != "" {
 		if _, seen := w.el.lines[path]; !seen {
@@ -147,7 +175,6 @@ func (w *walker) walk(n *yaml.Node, t reflect.Type, path string) {
 		w.el.addAt(n.Line, path, "unsupported YAML tag %s", n.Tag)
 		return
 	}
-	sensitive := false
 	switch t {
 	case durationType:
 		if n.Kind != yaml.ScalarNode || n.Tag != "!!str" {
@@ -184,7 +211,7 @@ func (w *walker) walk(n *yaml.Node, t reflect.Type, path string) {
 		w.walkStruct(n, t, path)
 	case reflect.Slice:
 		if n.Kind != yaml.SequenceNode {
-			w.el.addAt(n.Line, path, "want a list, got %s", describe(n, sensitive))
+			w.el.addAt(n.Line, path, "want a list, got %s", describe(n, false))
 			return
 		}
 		for i, c := range n.Content {

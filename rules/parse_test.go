@@ -288,3 +288,47 @@ func TestParseSize(t *testing.T) {
 		}
 	}
 }
+
+// Aliases can make a small file name a huge tree (128^3 injections here);
+// the walk must stop early instead of following every one.
+func TestParseAliasBomb(t *testing.T) {
+	inject := "[&j {header: A, value: \"${secret:s}\"}" + strings.Repeat(", *j", 127) + "]"
+	allow := "[&r {host: a.example, inject: " + inject + "}" + strings.Repeat(", *r", 127) + "]"
+	doc := "version: 1\n" +
+		"secrets:\n  - {name: s, source: file, hosts: [a.example]}\n" +
+		"tenants: [&a {id: a, allow: " + allow + "}" + strings.Repeat(", *a", 127) + "]\n"
+	_, err := Parse([]byte(doc), "bomb.yaml")
+	if err == nil || !strings.Contains(err.Error(), "too heavily aliased") {
+		t.Fatalf("alias bomb: %v", err)
+	}
+}
+
+func TestParseStopsAfterManyErrors(t *testing.T) {
+	doc := "version: 1\ntenants:\n" + strings.Repeat("  - id: 1\n", 1000)
+	es := parseErrs(t, doc)
+	if len(es) > maxErrors+1 || !strings.Contains(es.Error(), "too many errors") {
+		t.Errorf("%d errors", len(es))
+	}
+}
+
+// The viper decoder is strict on its own too, for Configs that reach it
+// by another route.
+func TestDecodeViperStrict(t *testing.T) {
+	for name, doc := range map[string]string{
+		"weak string":    "version: 1\nserver:\n  listen: 5\n",
+		"weak int":       "version: \"1\"\n",
+		"weak bool":      "version: 1\naudit:\n  compress: \"true\"\n",
+		"unused key":     "version: 1\nbogus: 1\n",
+		"nested unused":  "version: 1\nserver:\n  bogus: 1\n",
+		"duration int":   "version: 1\nserver:\n  idle_timeout: 30\n",
+		"duration neg":   "version: 1\nserver:\n  idle_timeout: -1s\n",
+		"size negative":  "version: 1\nserver:\n  max_header_bytes: -1\n",
+		"size garbage":   "version: 1\nserver:\n  max_header_bytes: lots\n",
+		"duplicate keys": "version: 1\nversion: 1\n",
+	} {
+		var cfg Config
+		if err := decodeViper([]byte(doc), &cfg); err == nil {
+			t.Errorf("%s: viper decode accepted it", name)
+		}
+	}
+}
