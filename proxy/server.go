@@ -62,6 +62,9 @@ type Server struct {
 	transportsMu sync.Mutex
 	transports   map[string]*http.Transport
 
+	// srvMu guards httpSrv and listener: Serve sets them on its own
+	// goroutine while Shutdown and the metrics scrape read them from others.
+	srvMu    sync.Mutex
 	httpSrv  *http.Server
 	listener *trackedListener
 	closing  atomic.Bool
@@ -188,8 +191,7 @@ func (s *Server) snapshot() *snapshot { return s.state.Load() }
 // Serve accepts proxy connections on ln until Shutdown.
 func (s *Server) Serve(ln net.Listener) error {
 	tl := newTrackedListener(ln, time.Duration(s.cfg.MaxTunnelLifetime))
-	s.listener = tl
-	s.httpSrv = &http.Server{
+	hs := &http.Server{
 		Handler:           s.gp,
 		ReadHeaderTimeout: time.Duration(s.cfg.ReadHeaderTimeout),
 		IdleTimeout:       time.Duration(s.cfg.IdleTimeout),
@@ -200,7 +202,15 @@ func (s *Server) Serve(ln net.Listener) error {
 		// a different path in goproxy that bypasses our hijack handling.
 		TLSNextProto: map[string]func(*http.Server, *tls.Conn, http.Handler){},
 	}
-	err := s.httpSrv.Serve(&guardedListener{trackedListener: tl, maxHead: int(s.cfg.MaxHeaderBytes), maxCount: s.cfg.MaxHeaderCount})
+	s.srvMu.Lock()
+	if s.closing.Load() {
+		// Shutdown ran before Serve got here: there is nothing to drain.
+		s.srvMu.Unlock()
+		return nil
+	}
+	s.listener, s.httpSrv = tl, hs
+	s.srvMu.Unlock()
+	err := hs.Serve(&guardedListener{trackedListener: tl, maxHead: int(s.cfg.MaxHeaderBytes), maxCount: s.cfg.MaxHeaderCount})
 	if errors.Is(err, http.ErrServerClosed) {
 		return nil
 	}
@@ -211,10 +221,13 @@ func (s *Server) Serve(ln net.Listener) error {
 // ctx ends, then closes whatever is left.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.closing.Store(true)
-	if s.httpSrv == nil {
+	s.srvMu.Lock()
+	hs, tl := s.httpSrv, s.listener
+	s.srvMu.Unlock()
+	if hs == nil {
 		return nil
 	}
-	err := s.httpSrv.Shutdown(ctx)
+	err := hs.Shutdown(ctx)
 	// http.Server does not track hijacked connections: wait for tunnels
 	// here, and cut the ones still open when the deadline passes.
 	tick := time.NewTicker(20 * time.Millisecond)
@@ -223,7 +236,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		select {
 		case <-tick.C:
 		case <-ctx.Done():
-			s.listener.closeAll()
+			tl.closeAll()
 			for s.activeTunnels.Load() > 0 {
 				time.Sleep(5 * time.Millisecond)
 			}
@@ -239,10 +252,13 @@ func (s *Server) Shutdown(ctx context.Context) error {
 
 // ActiveConnections is the number of open client connections.
 func (s *Server) ActiveConnections() int64 {
-	if s.listener == nil {
+	s.srvMu.Lock()
+	tl := s.listener
+	s.srvMu.Unlock()
+	if tl == nil {
 		return 0
 	}
-	return s.listener.active.Load()
+	return tl.active.Load()
 }
 
 // transportFor returns the upstream transport for a set of private-range
