@@ -61,6 +61,7 @@ func TestCompileErrors(t *testing.T) {
 		{"credential hash", baseSecrets + "tenants:\n  - id: a\n    credentials:\n      - name: c\n        hash: md5:abc\n", 12, "tenants[0].credentials[0].hash", "sha256:"},
 		{"credential hash upper", baseSecrets + "tenants:\n  - id: a\n    credentials:\n      - name: c\n        hash: sha256:" + strings.Repeat("A", 64) + "\n", 12, "tenants[0].credentials[0].hash", "lower-case"},
 		{"credential hash short", baseSecrets + "tenants:\n  - id: a\n    credentials:\n      - name: c\n        hash: sha256:" + strings.Repeat("a", 63) + "\n", 12, "tenants[0].credentials[0].hash", "64"},
+		{"credential reused", baseSecrets + "tenants:\n  - id: a\n    credentials:\n      - name: c\n        hash: sha256:" + strings.Repeat("a", 64) + "\n  - id: b\n    credentials:\n      - name: c\n        hash: sha256:" + strings.Repeat("a", 64) + "\n", 16, "tenants[1].credentials[0].hash", "already used at tenants[0].credentials[0]"},
 		{"credential name", baseSecrets + "tenants:\n  - id: a\n    credentials:\n      - hash: sha256:" + strings.Repeat("a", 64) + "\n", 11, "tenants[0].credentials[0].name", "required"},
 		{"cidr", baseSecrets + "tenants:\n  - id: a\n    allow_private_cidrs: [10.0.0.0/33]\n", 10, "tenants[0].allow_private_cidrs[0]", "invalid CIDR"},
 		{"cidr bare ip", baseSecrets + "tenants:\n  - id: a\n    allow_private_cidrs: [10.0.0.1]\n", 10, "tenants[0].allow_private_cidrs[0]", "invalid CIDR"},

@@ -154,7 +154,7 @@ func Compile(cfg *Config) (*Policy, error) {
 		return nil, fmt.Errorf("rules: copy config: %w", err)
 	}
 	el := &errList{source: cfg.source, lines: cfg.lines}
-	c := &compiler{el: el, p: &Policy{
+	c := &compiler{el: el, hashes: map[string]string{}, p: &Policy{
 		cfg:     cp,
 		tenants: map[string]*Tenant{},
 		secrets: map[string]*SecretSpec{},
@@ -192,8 +192,9 @@ func cloneConfig(cfg *Config) (*Config, string, error) {
 }
 
 type compiler struct {
-	el *errList
-	p  *Policy
+	el     *errList
+	p      *Policy
+	hashes map[string]string // credential hash -> path of first use
 }
 
 func (c *compiler) server(cfg *Config) {
@@ -397,6 +398,11 @@ func (c *compiler) tenant(ts *TenantSpec, path string) {
 		if !hashPattern.MatchString(cr.Hash) {
 			// Never echo the value: it may be a credential pasted by mistake.
 			c.el.add(cp+".hash", "want \"sha256:\" followed by 64 lower-case hex digits (see `sluice token hash`)")
+		} else if first, dup := c.hashes[cr.Hash]; dup {
+			// One credential must open exactly one door.
+			c.el.add(cp+".hash", "the same credential is already used at %s", first)
+		} else {
+			c.hashes[cr.Hash] = cp
 		}
 		t.Credentials = append(t.Credentials, cr)
 	}

@@ -53,6 +53,9 @@ const (
 	ReasonRateLimited Reason = "rate_limited"
 	// ReasonTunnelLimit: too many concurrent tunnels for the tenant or process.
 	ReasonTunnelLimit Reason = "tunnel_limit"
+	// ReasonInjectionRequiresTLS: the rule injects a secret but the request
+	// is cleartext HTTP and the rule does not set inject_over_http.
+	ReasonInjectionRequiresTLS Reason = "injection_requires_tls"
 	// ReasonSecretUnavailable: a secret the rule injects has no fresh value;
 	// the request fails closed (503) rather than go out without it.
 	ReasonSecretUnavailable Reason = "secret_unavailable"
@@ -78,7 +81,7 @@ func AllReasons() []Reason {
 		ReasonAuthExpired, ReasonAuthThrottled, ReasonBadRequest, ReasonHostMismatch,
 		ReasonDestinationNotPermitted, ReasonSNIMismatch, ReasonSNIMissing,
 		ReasonUpstreamError, ReasonUpstreamTimeout, ReasonRateLimited, ReasonTunnelLimit,
-		ReasonSecretUnavailable, ReasonExfiltrationAttempt, ReasonInterceptionUnavailable,
+		ReasonInjectionRequiresTLS, ReasonSecretUnavailable, ReasonExfiltrationAttempt, ReasonInterceptionUnavailable,
 		ReasonAuditUnavailable, ReasonShuttingDown,
 	}
 }
