@@ -1,5 +1,7 @@
 package rules
 
+import "strings"
+
 // Query is one thing to decide: a request, or a CONNECT to host:port.
 // Host must come from NormalizeHost (with its isIP result) and Path from
 // NormalizePath; Decide does not normalise, it only refuses what is plainly
@@ -45,6 +47,11 @@ const (
 // if an allow rule matches, and Intercept is set when any matching rule has
 // methods, paths, injections or inspect, so that every request in the tunnel
 // is decided again. IP-literal queries match only rules for that exact IP.
+//
+// A deny rule's method and path conditions match leniently (ASCII case
+// folded, ";params" and one trailing slash ignored), because some upstream
+// servers treat those spellings as the same resource; allow rules match
+// exactly. Either way the error is towards denying.
 func (p *Policy) Decide(q Query) Decision {
 	t := p.tenants[q.Tenant]
 	if t == nil {
@@ -165,14 +172,14 @@ func (r *Rule) matches(q *Query, mode matchMode) bool {
 	case matchDenyConnect:
 		return len(r.Methods) == 0 && len(r.patterns) == 0
 	}
-	if len(r.Methods) > 0 && !r.hasMethod(q.Method) {
+	if len(r.Methods) > 0 && !r.hasMethod(q.Method, r.Deny) {
 		return false
 	}
 	if len(r.patterns) == 0 {
 		return true
 	}
 	for i := range r.patterns {
-		if r.patterns[i].match(q.Path) {
+		if r.patterns[i].match(q.Path, r.Deny) {
 			return true
 		}
 	}
@@ -188,9 +195,11 @@ func (r *Rule) hasPort(p int) bool {
 	return false
 }
 
-func (r *Rule) hasMethod(m string) bool {
+// hasMethod compares exactly for allow rules; deny rules fold case, since
+// some servers treat "delete" as DELETE and a deny must not be dodged.
+func (r *Rule) hasMethod(m string, fold bool) bool {
 	for _, x := range r.Methods {
-		if x == m {
+		if x == m || fold && strings.EqualFold(x, m) {
 			return true
 		}
 	}

@@ -193,7 +193,26 @@ func compilePathPattern(p string) (pathPattern, error) {
 
 // match walks the path segment by segment without allocating. path must be
 // normalised (it starts with '/').
-func (pp *pathPattern) match(path string) bool {
+//
+// lenient is for deny rules: servers disagree on whether "/Admin", "/admin/"
+// and "/admin;jsessionid=x" are "/admin", and a deny must not be dodged by
+// such a spelling. So a lenient match folds ASCII case, ignores ";params" in
+// a segment and ignores one trailing slash. Allow rules match exactly, which
+// can only make them deny more.
+func (pp *pathPattern) match(path string, lenient bool) bool {
+	if !lenient {
+		return pp.matchSegs(path, false)
+	}
+	if pp.matchSegs(path, true) {
+		return true
+	}
+	if len(path) > 1 && path[len(path)-1] == '/' {
+		return pp.matchSegs(path[:len(path)-1], true)
+	}
+	return false
+}
+
+func (pp *pathPattern) matchSegs(path string, lenient bool) bool {
 	rest := path[1:]
 	for i, want := range pp.segs {
 		seg, more := rest, false
@@ -204,7 +223,7 @@ func (pp *pathPattern) match(path string) bool {
 			if seg == "" {
 				return false
 			}
-		} else if seg != want {
+		} else if !segEqual(seg, want, lenient) {
 			return false
 		}
 		if !more {
@@ -215,4 +234,20 @@ func (pp *pathPattern) match(path string) bool {
 	}
 	// The path goes on past the pattern's literal segments.
 	return pp.tail
+}
+
+func segEqual(seg, want string, lenient bool) bool {
+	if seg == want {
+		return true
+	}
+	if !lenient {
+		return false
+	}
+	if strings.EqualFold(seg, want) {
+		return true
+	}
+	if j := strings.IndexByte(seg, ';'); j >= 0 {
+		return strings.EqualFold(seg[:j], want)
+	}
+	return false
 }

@@ -99,12 +99,12 @@ func TestPathPattern(t *testing.T) {
 			continue
 		}
 		for _, p := range tt.yes {
-			if !pp.match(p) {
+			if !pp.match(p, false) || !pp.match(p, true) {
 				t.Errorf("%q should match %q", tt.pattern, p)
 			}
 		}
 		for _, p := range tt.no {
-			if pp.match(p) {
+			if pp.match(p, false) {
 				t.Errorf("%q should not match %q", tt.pattern, p)
 			}
 		}
@@ -118,6 +118,39 @@ func TestPathPatternInvalid(t *testing.T) {
 	} {
 		if _, err := compilePathPattern(p); err == nil {
 			t.Errorf("compilePathPattern(%q) succeeded; want an error", p)
+		}
+	}
+}
+
+// Deny patterns match spellings that some servers treat as equal; allow
+// patterns do not.
+func TestPathPatternLenient(t *testing.T) {
+	tests := []struct {
+		pattern string
+		yes     []string // lenient only
+		no      []string // not even lenient
+	}{
+		{"/admin/**", []string{"/Admin/x", "/ADMIN", "/admin;jsessionid=1/x", "/AdMiN;x"}, []string{"/adminx", "/x/admin", "/admin%3Bx/y"}},
+		{"/admin", []string{"/admin/", "/Admin/", "/admin;x"}, []string{"/admin/x", "/admin//"}},
+		{"/api/*/delete", []string{"/api/1/DELETE", "/api/1/delete;x", "/api/1/delete/"}, []string{"/api/delete", "/api/1/2/delete"}},
+	}
+	for _, tt := range tests {
+		pp, err := compilePathPattern(tt.pattern)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range tt.yes {
+			if !pp.match(p, true) {
+				t.Errorf("lenient %q should match %q", tt.pattern, p)
+			}
+			if pp.match(p, false) {
+				t.Errorf("exact %q should not match %q", tt.pattern, p)
+			}
+		}
+		for _, p := range tt.no {
+			if pp.match(p, true) {
+				t.Errorf("lenient %q should not match %q", tt.pattern, p)
+			}
 		}
 	}
 }
