@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -159,6 +160,12 @@ func (s *Server) handle(req *http.Request, tun *tunnel) *http.Response {
 	if err != nil {
 		status, reason := classifyUpstreamError(err)
 		rec.Decision = audit.DecisionError
+		if reason == rules.ReasonDestinationNotPermitted {
+			// The guard refusing the resolved address is a denial, as it
+			// is for a CONNECT, not an upstream failure: a reviewer
+			// filtering on deny must see these attempts.
+			rec.Decision = audit.DecisionDeny
+		}
 		return s.deny(ctx, rec, req, status, reason, ruleID(d))
 	}
 	removeHopByHop(resp.Header, resp.StatusCode == http.StatusSwitchingProtocols)
@@ -450,6 +457,13 @@ func prepareOutbound(req *http.Request, dst destination) *http.Request {
 	out.URL.Scheme = dst.scheme
 	out.URL.Host = joinHostPort(dst.host, dst.port, dst.scheme)
 	out.URL.User = nil
+	// Forward the normalised path, the one the policy decided on: sent as
+	// the client spelled it ("/a/%2e%2e/b"), an origin that does not resolve
+	// encoded dot segments would serve a path no rule allowed. dst.path
+	// holds only valid escapes, so it is its own RawPath.
+	if p, err := url.PathUnescape(dst.path); err == nil {
+		out.URL.Path, out.URL.RawPath = p, dst.path
+	}
 	out.Host = out.URL.Host
 	// The client's "Connection: close" is about its own hop; upstream
 	// connections stay pooled.
