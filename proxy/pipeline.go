@@ -452,7 +452,9 @@ func (s *Server) secretValue(name string) ([]byte, error) {
 // prepareOutbound builds the upstream request: the client's request minus
 // proxy and hop-by-hop headers, pointed at the normalised destination.
 func prepareOutbound(req *http.Request, dst destination) *http.Request {
-	out := req.Clone(req.Context())
+	// The request is ours (goproxy or the interception loop parsed it for
+	// this call alone), so it is rewritten in place rather than cloned.
+	out := req
 	out.RequestURI = ""
 	out.URL.Scheme = dst.scheme
 	out.URL.Host = joinHostPort(dst.host, dst.port, dst.scheme)
