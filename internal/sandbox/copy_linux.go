@@ -112,9 +112,20 @@ func newFSIDWorker(uid, gid int) (*fsidWorker, error) {
 	w := &fsidWorker{jobs: make(chan func() error), errs: make(chan error)}
 	ready := make(chan error, 1)
 	go func() {
-		// Never unlocked: the thread exits with the goroutine instead of
-		// returning to the pool with foreign ids.
 		runtime.LockOSThread()
+		ouid, _ := unix.SetfsuidRetUid(-1)
+		ogid, _ := unix.SetfsgidRetGid(-1)
+		defer func() {
+			// Back to the launcher's own ids before the thread is reused. If
+			// that fails the thread stays locked and ends with the goroutine.
+			_, _ = unix.SetfsuidRetUid(ouid)
+			_, _ = unix.SetfsgidRetGid(ogid)
+			cu, _ := unix.SetfsuidRetUid(-1)
+			cg, _ := unix.SetfsgidRetGid(-1)
+			if cu == ouid && cg == ogid {
+				runtime.UnlockOSThread()
+			}
+		}()
 		_, _ = unix.SetfsgidRetGid(gid)
 		_, _ = unix.SetfsuidRetUid(uid)
 		// The calls return the previous id; asking again with -1 reports the current one.

@@ -19,11 +19,9 @@ import (
 // sandbox's init; the launcher re-executes its own binary with it.
 const InitCommand = "__sandbox-init"
 
-// File descriptors the launcher hands to the init.
-const (
-	initControlFD = 3
-	initConfigFD  = 4
-)
+// initControlFD is the control socket the launcher hands to the init; the
+// config memfd arrives over it with the first message.
+const initControlFD = 3
 
 const (
 	secbitsLocked = 1<<0 | 1<<1 | 1<<2 | 1<<3 | 1<<5 | 1<<6 | 1<<7 // NOROOT, NO_SETUID_FIXUP, KEEP_CAPS_LOCKED, NO_CAP_AMBIENT_RAISE, all locked
@@ -38,7 +36,6 @@ func Init(ctx context.Context) int {
 	ctl := conn{fd: initControlFD}
 	// Nothing the init holds may reach the command.
 	unix.CloseOnExec(initControlFD)
-	unix.CloseOnExec(initConfigFD)
 	// If the launcher died before we got here, the pid-namespace fix-up of
 	// Pdeathsig could not run: ask again, then check that it is still there.
 	_ = unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0, 0, 0)
@@ -57,11 +54,12 @@ func Init(ctx context.Context) int {
 		_ = ctl.send(message{Type: msgError, Error: stage + ": " + err.Error()})
 		return ExitLaunchFailed
 	}
-	m, _, err := ctl.recv()
-	if err != nil || m.Type != msgConfig {
+	m, fds, err := ctl.recv()
+	if err != nil || m.Type != msgConfig || len(fds) != 1 {
+		closeFDs(fds)
 		return ExitLaunchFailed
 	}
-	cfgFile := os.NewFile(initConfigFD, "config")
+	cfgFile := os.NewFile(uintptr(fds[0]), "config")
 	cfg, err := readConfig(cfgFile)
 	cfgFile.Close()
 	if err != nil {
@@ -85,7 +83,36 @@ func Init(ctx context.Context) int {
 	if m, _, err = ctl.recv(); err != nil || m.Type != msgGo {
 		return ExitLaunchFailed
 	}
-	return superviseCommand(ctx, ctl, cfg)
+	return onNonLeaderThread(func() int { return superviseCommand(ctx, ctl, cfg) })
+}
+
+// onNonLeaderThread runs fn on a locked OS thread that is not the thread
+// group leader. The restrictions applied for the command are per thread, and
+// the kernel checks Landlock's signal scope against the leader: were the
+// leader restricted, the sandbox would share a domain with its init and could
+// signal it.
+func onNonLeaderThread(fn func() int) int {
+	release := make(chan struct{})
+	defer close(release)
+	for {
+		res := make(chan int, 1)
+		leader := make(chan bool, 1)
+		go func() {
+			runtime.LockOSThread()
+			if unix.Gettid() == unix.Getpid() {
+				leader <- true
+				<-release // keep the leader occupied so the next try lands elsewhere
+				runtime.UnlockOSThread()
+				return
+			}
+			leader <- false
+			// Never unlocked: this thread carries the command's restrictions.
+			res <- fn()
+		}()
+		if !<-leader {
+			return <-res
+		}
+	}
 }
 
 // relayListener brings up lo and listens on RelayAddr inside the namespace.
@@ -227,9 +254,8 @@ func superviseCommand(_ context.Context, ctl conn, cfg *initConfig) int {
 	if err := setRlimits(cfg); err != nil {
 		return fail("rlimits", err)
 	}
-	// The thread that carries the restrictions forks the command and is
-	// never unlocked, so no other goroutine ever runs on it.
-	runtime.LockOSThread()
+	// The caller locked this thread; it carries the restrictions, forks the
+	// command and is never unlocked, so no other goroutine ever runs on it.
 	ll, err := restrictThread(cfg)
 	if err != nil {
 		return fail("restrictions", err)

@@ -13,6 +13,7 @@ import (
 	"os"
 	"os/exec"
 	"os/user"
+	"runtime"
 	"strconv"
 	"syscall"
 	"time"
@@ -210,14 +211,80 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 	if r.l.Minter == nil {
 		return res, errors.New("no token minter configured")
 	}
-	envNames, _ := ValidateEnv(spec.Env)
-	_ = envNames
 	var ca []byte
 	if spec.CABundle != "" {
 		if ca, err = readCABundle(spec.CABundle); err != nil {
 			return res, err
 		}
 	}
+	// Start the init first: its start-up overlaps the cgroup and credential
+	// work below. It waits for the config message before doing anything.
+	parentSock, childSock, err := socketpair()
+	if err != nil {
+		return res, err
+	}
+	defer parentSock.Close()
+	ctl := conn{fd: int(parentSock.Fd())}
+
+	initPath := r.l.InitPath
+	if initPath == "" {
+		initPath = "/proc/self/exe"
+	}
+	args := r.l.InitArgs
+	if args == nil {
+		args = []string{InitCommand}
+	}
+	uidMap, gidMap := r.l.idMaps()
+	cmd := &exec.Cmd{
+		Path:       initPath,
+		Args:       append([]string{"sluice-init"}, args...),
+		Env:        []string{}, // nothing of the launcher's environment crosses over
+		Stdin:      spec.Stdin,
+		Stdout:     spec.Stdout,
+		Stderr:     spec.Stderr,
+		ExtraFiles: []*os.File{childSock},
+		SysProcAttr: &syscall.SysProcAttr{
+			Cloneflags: unix.CLONE_NEWUSER | unix.CLONE_NEWNS | unix.CLONE_NEWPID | unix.CLONE_NEWNET |
+				unix.CLONE_NEWUTS | unix.CLONE_NEWIPC | unix.CLONE_NEWCGROUP,
+			UidMappings:                uidMap,
+			GidMappings:                gidMap,
+			GidMappingsEnableSetgroups: false,
+			// Become the namespace's root before exec, or exec would drop the
+			// capabilities the init needs to build the sandbox.
+			Credential: &syscall.Credential{Uid: 0, Gid: 0, NoSetGroups: true},
+			Setsid:     true,
+		},
+	}
+	// The kernel sends the init's parent-death signal when the *thread* that
+	// forked it exits, and Go ends a thread whose locked goroutine returns.
+	// Fork from a thread this run holds until it is over, so no other code's
+	// locked goroutine can take that thread down with the sandbox.
+	startErr := make(chan error, 1)
+	releaseThread := make(chan struct{})
+	defer close(releaseThread)
+	go func() {
+		runtime.LockOSThread()
+		startErr <- cmd.Start()
+		<-releaseThread
+		runtime.UnlockOSThread()
+	}()
+	err = <-startErr
+	childSock.Close()
+	if err != nil {
+		return res, fmt.Errorf("starting sandbox init: %w", err)
+	}
+	initPID := cmd.Process.Pid
+	waitDone := make(chan error, 1)
+	go func() { waitDone <- cmd.Wait() }()
+	initExited := false
+	stopInit := func() {
+		if !initExited {
+			_ = cmd.Process.Kill()
+			<-waitDone
+			initExited = true
+		}
+	}
+	defer stopInit()
 	if n, err := Sweep(ctx, r.l.stateRoot()); err != nil {
 		r.log.Warn("sweeping earlier sandboxes", "err", err)
 	} else if n > 0 {
@@ -243,11 +310,20 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 		return res, err
 	}
 	defer func() {
+		stopInit()
 		r.limiter.kill()
 		if rerr := r.limiter.remove(context.Background()); rerr != nil {
 			r.log.Error("removing sandbox cgroups", "err", rerr)
 		}
 	}()
+
+	st.own.InitPID, st.own.InitStart = initPID, procStart(initPID)
+	if err := st.save(); err != nil {
+		return res, err
+	}
+	if err := r.limiter.add(initPID); err != nil {
+		return res, err
+	}
 
 	// The credential lives as long as the sandbox may.
 	token, err := r.l.Minter.Mint(spec.Tenant, r.id, spec.Limits.Timeout)
@@ -278,67 +354,9 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 	if err != nil {
 		return res, err
 	}
-	defer cfgFile.Close()
-	parentSock, childSock, err := socketpair()
-	if err != nil {
-		return res, err
-	}
-	defer parentSock.Close()
-	ctl := conn{fd: int(parentSock.Fd())}
-
-	initPath := r.l.InitPath
-	if initPath == "" {
-		initPath = "/proc/self/exe"
-	}
-	args := r.l.InitArgs
-	if args == nil {
-		args = []string{InitCommand}
-	}
-	uidMap, gidMap := r.l.idMaps()
-	cmd := &exec.Cmd{
-		Path:       initPath,
-		Args:       append([]string{"sluice-init"}, args...),
-		Env:        []string{}, // nothing of the launcher's environment crosses over
-		Stdin:      spec.Stdin,
-		Stdout:     spec.Stdout,
-		Stderr:     spec.Stderr,
-		ExtraFiles: []*os.File{childSock, cfgFile},
-		SysProcAttr: &syscall.SysProcAttr{
-			Cloneflags: unix.CLONE_NEWUSER | unix.CLONE_NEWNS | unix.CLONE_NEWPID | unix.CLONE_NEWNET |
-				unix.CLONE_NEWUTS | unix.CLONE_NEWIPC | unix.CLONE_NEWCGROUP,
-			UidMappings:                uidMap,
-			GidMappings:                gidMap,
-			GidMappingsEnableSetgroups: false,
-			// Become the namespace's root before exec, or exec would drop the
-			// capabilities the init needs to build the sandbox.
-			Credential: &syscall.Credential{Uid: 0, Gid: 0, NoSetGroups: true},
-			Setsid:     true,
-		},
-	}
-	if err := cmd.Start(); err != nil {
-		childSock.Close()
-		return res, fmt.Errorf("starting sandbox init: %w", err)
-	}
-	childSock.Close()
+	err = ctl.send(message{Type: msgConfig}, int(cfgFile.Fd()))
 	cfgFile.Close()
-	initPID := cmd.Process.Pid
-	waitDone := make(chan error, 1)
-	go func() { waitDone <- cmd.Wait() }()
-	initExited := false
-	defer func() {
-		if !initExited {
-			_ = cmd.Process.Kill()
-			<-waitDone
-		}
-	}()
-	st.own.InitPID, st.own.InitStart = initPID, procStart(initPID)
-	if err := st.save(); err != nil {
-		return res, err
-	}
-	if err := r.limiter.add(initPID); err != nil {
-		return res, err
-	}
-	if err := ctl.send(message{Type: msgConfig}); err != nil {
+	if err != nil {
 		return res, err
 	}
 
@@ -452,11 +470,7 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 		res.ExitCode, res.KilledBy = 128+int(unix.SIGKILL), KilledBySignal
 		res.Message = "sandbox init was killed"
 	}
-	if !initExited {
-		_ = cmd.Process.Kill()
-		<-waitDone
-		initExited = true
-	}
+	stopInit()
 	r.limiter.kill()
 	if res.KilledBy != KilledByTimeout && res.ExitCode == 128+int(unix.SIGKILL) && r.limiter.oomKills() > 0 {
 		res.ExitCode, res.KilledBy = ExitOOM, KilledByMemory

@@ -67,7 +67,7 @@ func build(out, pkg string) {
 // forward proxy (a stand-in for `sluice serve`) that checks the sandbox
 // credential and records who asked for what.
 type env struct {
-	t        *testing.T
+	t        testing.TB
 	key      string
 	keyVal   identity.Key
 	state    string
@@ -83,7 +83,7 @@ type seenReq struct {
 	tenant, sandbox, host string
 }
 
-func newEnv(t *testing.T) *env {
+func newEnv(t testing.TB) *env {
 	t.Helper()
 	dir := t.TempDir()
 	e := &env{t: t, key: filepath.Join(dir, "token.key"), state: filepath.Join(dir, "state")}
@@ -328,7 +328,7 @@ func TestProxyIsTheOnlyWayOut(t *testing.T) {
 	wantLine(t, out, "dial "+ln6.Addr().String()+":", "errno=")
 	wantLine(t, out, "dial 192.0.2.1:80:", "errno=13 ")    // Landlock: only port 3128
 	wantLine(t, out, "dial 192.0.2.1:3128:", "errno=101 ") // ENETUNREACH: no route at all
-	wantLine(t, out, "dial [::1]:3128:", "errno=111 ") // ECONNREFUSED: the relay is IPv4 only
+	wantLine(t, out, "dial [::1]:3128:", "errno=111 ")     // ECONNREFUSED: the relay is IPv4 only
 	wantLine(t, out, "dns example.com:", "err")
 	if strings.Contains(out, "dns example.com: ok") || !strings.Contains(out, "getent=2") {
 		t.Errorf("DNS resolved inside the sandbox:\n%s", out)
@@ -455,7 +455,7 @@ func TestForkBombIsBounded(t *testing.T) {
 
 // started is a sluice run in the background.
 type started struct {
-	t    *testing.T
+	t    testing.TB
 	cmd  *exec.Cmd
 	id   string
 	errb *strings.Builder
@@ -611,7 +611,7 @@ func TestKeepWorkspace(t *testing.T) {
 	}
 }
 
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for !cond() {
@@ -619,5 +619,40 @@ func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
 			t.Fatalf("timed out waiting for %s", what)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// BenchmarkLaunchTrue measures launch-to-exit of /bin/true under sluice run
+// (launcher process, namespaces, init, mounts, cgroups, restrictions,
+// cleanup) beside bwrap doing a comparable job, in the same process and
+// machine state. Run with -benchtime=50x; p50-ms is the median.
+func BenchmarkLaunchTrue(b *testing.B) {
+	e := newEnv(b)
+	bwrap, bwrapErr := exec.LookPath("bwrap")
+	for _, c := range []struct {
+		name string
+		argv []string
+	}{
+		{"sluice", append(append([]string{bin.sluice}, e.baseArgs...), "--", "/bin/true")},
+		{"bwrap", []string{bwrap, "--unshare-all", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "true"}},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			if c.name == "bwrap" && bwrapErr != nil {
+				b.Skip("bwrap not installed")
+			}
+			durs := make([]time.Duration, 0, b.N)
+			for b.Loop() {
+				cmd := exec.Command(c.argv[0], c.argv[1:]...)
+				t0 := time.Now()
+				out, err := cmd.CombinedOutput()
+				durs = append(durs, time.Since(t0))
+				if err != nil {
+					b.Fatalf("%s: %v\n%s", c.name, err, out)
+				}
+			}
+			sort.Slice(durs, func(i, j int) bool { return durs[i] < durs[j] })
+			b.ReportMetric(float64(durs[len(durs)/2].Microseconds())/1000, "p50-ms")
+			b.ReportMetric(float64(durs[len(durs)*9/10].Microseconds())/1000, "p90-ms")
+		})
 	}
 }
