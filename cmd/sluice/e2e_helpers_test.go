@@ -40,6 +40,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"math/big"
 	"net"
 	"net/http"
@@ -251,6 +252,8 @@ func (e *e2eEnv) cleanup() {
 // sluiceOptions are the flags a test passes to `sluice serve` besides the
 // config, listen and admin addresses and the audit path.
 type sluiceOptions struct {
+	Listen     string   // --listen; default 127.0.0.1:0 (see freeLoopbackPort)
+	Admin      string   // --admin; default 127.0.0.1:0
 	Resolver   string   // --resolver ip:port (a startTestDNS server)
 	TokenKey   string   // --token-key path (env.TokenKeyFile())
 	UpstreamCA string   // --upstream-ca path (testPKI.CAFile)
@@ -291,7 +294,14 @@ func (e *e2eEnv) StartSluice(config string, o sluiceOptions) *sluiceProc {
 	if err := os.WriteFile(p.ConfigPath, []byte(config), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	args := []string{"serve", "--config", p.ConfigPath, "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--audit", p.AuditPath}
+	listen, admin := o.Listen, o.Admin
+	if listen == "" {
+		listen = "127.0.0.1:0"
+	}
+	if admin == "" {
+		admin = "127.0.0.1:0"
+	}
+	args := []string{"serve", "--config", p.ConfigPath, "--listen", listen, "--admin", admin, "--audit", p.AuditPath}
 	if o.Resolver != "" {
 		args = append(args, "--resolver", o.Resolver)
 	}
@@ -829,7 +839,9 @@ func startOrigin(t *testing.T, addr string, tlsCfg *tls.Config) *testOrigin {
 		}
 		l = tls.NewListener(l, cfg)
 	}
-	o.srv = &http.Server{Handler: http.HandlerFunc(o.serve), ReadHeaderTimeout: 10 * time.Second}
+	// ErrorLog discards: a refused tunnel leaves the origin a connection
+	// that closes before its handshake, which is expected here.
+	o.srv = &http.Server{Handler: http.HandlerFunc(o.serve), ReadHeaderTimeout: 10 * time.Second, ErrorLog: log.New(io.Discard, "", 0)}
 	go func() { _ = o.srv.Serve(l) }()
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -896,6 +908,18 @@ func (l *countingListener) Accept() (net.Conn, error) {
 		l.n.Add(1)
 	}
 	return c, err
+}
+
+// freeLoopbackPort returns a TCP port on 127.0.0.1 that was free a moment
+// ago, for a config that must name sluice's own port before it starts.
+func freeLoopbackPort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
 }
 
 // startCountingListener accepts TCP connections on addr, counts them and
