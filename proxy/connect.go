@@ -70,11 +70,7 @@ func (s *Server) handleConnect(_ string, pctx *goproxy.ProxyCtx) (*goproxy.Conne
 	rec.Tenant, rec.Sandbox = p.Tenant, p.Sandbox
 
 	// 2. Normalise: CONNECT takes host:port, and the port is required.
-	host, port, err := splitAuthority(req.URL.Host, 0)
-	if err != nil || port == 0 {
-		return reject(s.deny(ctx, rec, req, http.StatusBadRequest, rules.ReasonBadRequest, ""))
-	}
-	nh, isIP, err := rules.NormalizeHost(host)
+	nh, isIP, port, err := rules.ParseAuthority(req.URL.Host, 0)
 	if err != nil {
 		return reject(s.deny(ctx, rec, req, http.StatusForbidden, rules.ReasonInvalidHost, ""))
 	}

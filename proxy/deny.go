@@ -116,8 +116,3 @@ func clientAddr(req *http.Request) netip.Addr {
 	}
 	return a.Unmap()
 }
-
-// reasonInjectionRequiresTLS refuses a cleartext request that a rule would
-// inject a secret into (or that carries a placeholder), unless the rule says
-// inject_over_http.
-const reasonInjectionRequiresTLS rules.Reason = "injection_requires_tls"

@@ -100,7 +100,7 @@ func (s *Server) handle(req *http.Request, tun *tunnel) *http.Response {
 		secretNames = appendUnique(secretNames, sw.secret)
 	}
 	if (len(inject) > 0 || len(swaps) > 0) && dst.scheme != "https" && (d.Rule == nil || !d.Rule.InjectOverHTTP) {
-		return s.deny(ctx, rec, req, http.StatusForbidden, reasonInjectionRequiresTLS, ruleID(d))
+		return s.deny(ctx, rec, req, http.StatusForbidden, rules.ReasonInjectionRequiresTLS, ruleID(d))
 	}
 
 	// 4. Limit: keys are the tenant, the rule id and secret names, all from
@@ -288,11 +288,7 @@ func (s *Server) target(req *http.Request, tun *tunnel) (destination, rules.Reas
 			}
 			authority = u.Host
 		}
-		host, port, err := splitAuthority(authority, defaultPort(tun.scheme))
-		if err != nil {
-			return d, rules.ReasonHostMismatch
-		}
-		nh, _, err := rules.NormalizeHost(host)
+		nh, _, port, err := rules.ParseAuthority(authority, defaultPort(tun.scheme))
 		if err != nil || nh != tun.host || port != tun.port {
 			return d, rules.ReasonHostMismatch
 		}
@@ -302,13 +298,8 @@ func (s *Server) target(req *http.Request, tun *tunnel) (destination, rules.Reas
 			// client's behalf; clients must use CONNECT for that.
 			return d, rules.ReasonBadRequest
 		}
-		host, port, err := splitAuthority(u.Host, 80)
+		nh, isIP, port, err := rules.ParseAuthority(u.Host, 80)
 		if err != nil {
-			return d, rules.ReasonInvalidHost
-		}
-		nh, isIP, err := rules.NormalizeHost(host)
-		if err != nil {
-			d.host = "" // never echo an unparsable host into the record
 			return d, rules.ReasonInvalidHost
 		}
 		d.scheme, d.host, d.isIP, d.port = "http", nh, isIP, port
@@ -326,28 +317,6 @@ func defaultPort(scheme string) int {
 		return 443
 	}
 	return 80
-}
-
-func splitAuthority(authority string, def int) (string, int, error) {
-	if authority == "" {
-		return "", 0, errors.New("empty authority")
-	}
-	host, portStr, err := net.SplitHostPort(authority)
-	if err != nil {
-		// No port: the whole authority is the host (brackets stripped).
-		if strings.HasPrefix(authority, "[") && strings.HasSuffix(authority, "]") {
-			return authority[1 : len(authority)-1], def, nil
-		}
-		if strings.Contains(authority, ":") && !strings.HasPrefix(authority, "[") {
-			return "", 0, err
-		}
-		return authority, def, nil
-	}
-	port, err := strconv.Atoi(portStr)
-	if err != nil || port < 1 || port > 65535 || portStr[0] == '+' || (len(portStr) > 1 && portStr[0] == '0') {
-		return "", 0, errors.New("invalid port")
-	}
-	return host, port, nil
 }
 
 type swap struct {

@@ -24,7 +24,7 @@ func newRulesCmd() *cobra.Command {
 		Use:   "rules",
 		Short: "Check policy files and test requests against them",
 	}
-	cmd.AddCommand(newRulesCheckCmd(), newRulesTestCmd())
+	cmd.AddCommand(newRulesCheckCmd(), newRulesTestCmd(), newRulesSuggestCmd())
 	return cmd
 }
 
