@@ -3,6 +3,7 @@ package broker
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -53,5 +54,20 @@ func TestValueNeverPrints(t *testing.T) {
 	}
 	if !(Value{}).IsZero() || v.IsZero() {
 		t.Fatal("IsZero")
+	}
+}
+
+func TestSanitizeErr(t *testing.T) {
+	inner := fmt.Errorf("upstream said: token hvs.ABC rejected")
+	err := sanitizeErr(fmt.Errorf("login: %w", inner), "hvs.ABC", "")
+	if strings.Contains(err.Error(), "hvs.ABC") || !strings.Contains(err.Error(), Redacted) {
+		t.Fatalf("not sanitised: %v", err)
+	}
+	if errors.Unwrap(err) != nil {
+		t.Fatal("sanitised error still wraps the original")
+	}
+	clean := fmt.Errorf("read: %w", inner)
+	if sanitizeErr(clean, "other") != clean || sanitizeErr(nil, "x") != nil {
+		t.Fatal("clean errors must pass unchanged")
 	}
 }
