@@ -79,6 +79,12 @@ var ErrUnknownTenant = errors.New("ratelimit: tenant not in the current policy")
 type bucket struct {
 	r Rate // normalised settings the limiter was made with
 	l *rate.Limiter
+	// mu makes "reserve, and cancel if it would have to wait" atomic. A refused
+	// reservation briefly puts the bucket in debt; if another goroutine reserved
+	// in between, x/time/rate cannot restore the cancelled tokens in full (it
+	// assumes later reservations relied on them), so concurrent refusals would
+	// leak tokens and inflate each other's retryAfter.
+	mu sync.Mutex
 }
 
 // counters are a tenant's live slots. They outlive reloads (see Update).
@@ -282,17 +288,46 @@ func (l *Limits) AllowAt(k Key, now time.Time) (ok bool, retryAfter time.Duratio
 }
 
 func take(b *bucket, now time.Time) (bool, time.Duration) {
+	// Same as reserve, without handing the reservation out (which would make it
+	// escape to the heap on the hot path).
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	res := b.l.ReserveN(now, 1)
+	if !res.OK() {
+		return false, 0
+	}
+	if d := res.DelayFrom(now); d > 0 {
+		res.CancelAt(now)
+		return false, d
+	}
+	return true, 0
+}
+
+// reserve takes one token at now. It returns the reservation when the token was
+// available immediately; otherwise nil and how long until it will be.
+func (b *bucket) reserve(now time.Time) (*rate.Reservation, time.Duration) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
 	res := b.l.ReserveN(now, 1)
 	if !res.OK() { // cannot happen with burst >= 1, but never allow by accident
-		return false, 0
+		return nil, 0
 	}
 	if d := res.DelayFrom(now); d > 0 {
 		// Give the token back: a refused request must not eat into the budget of
 		// the ones after it.
 		res.CancelAt(now)
-		return false, d
+		return nil, d
 	}
-	return true, 0
+	return res, 0
+}
+
+// release gives back a token taken by reserve, for an all-or-nothing check that
+// failed on a later key. Only immediate reservations are ever released, so the
+// bucket is never left in debt.
+func (b *bucket) release(res *rate.Reservation, now time.Time) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	res.CancelAt(now)
 }
 
 // AllowAll spends one token from each of keys, all or nothing: if any bucket
@@ -301,12 +336,16 @@ func take(b *bucket, now time.Time) (bool, time.Duration) {
 // tenant's. It returns the first refusing key and its retryAfter.
 func (l *Limits) AllowAll(now time.Time, keys ...Key) (ok bool, retryAfter time.Duration, refused Key) {
 	st := l.st.Load()
-	var taken [8]*rate.Reservation
-	held := taken[:0]
+	type taken struct {
+		b   *bucket
+		res *rate.Reservation
+	}
+	var buf [8]taken
+	held := buf[:0]
 	defer func() {
 		if !ok {
-			for _, r := range held {
-				r.CancelAt(now)
+			for _, t := range held {
+				t.b.release(t.res, now)
 			}
 		}
 	}()
@@ -318,15 +357,11 @@ func (l *Limits) AllowAll(now time.Time, keys ...Key) (ok bool, retryAfter time.
 		if b == nil {
 			continue
 		}
-		res := b.l.ReserveN(now, 1)
-		if !res.OK() {
-			return false, 0, k
-		}
-		if d := res.DelayFrom(now); d > 0 {
-			res.CancelAt(now)
+		res, d := b.reserve(now)
+		if res == nil {
 			return false, d, k
 		}
-		held = append(held, res)
+		held = append(held, taken{b, res})
 	}
 	return true, 0, Key{}
 }

@@ -33,7 +33,7 @@ func TestBurstExactUnderParallelLoad(t *testing.T) {
 	}})
 	var allowed atomic.Int64
 	var wg sync.WaitGroup
-	bad := make(chan string, 64)
+	bad := make(chan string, 32*8) // room for every request: a failing run must not deadlock
 	for g := 0; g < 32; g++ {
 		wg.Add(1)
 		go func() {
@@ -518,11 +518,14 @@ func TestFailureThrottleLimits(t *testing.T) {
 	if ft.AllowedAt(netip.Addr{}, t0) {
 		t.Fatal("invalid address allowed")
 	}
-	if _, err := NewFailureThrottle(0, 1); err == nil {
-		t.Fatal("zero rate accepted")
+	if _, err := NewFailureThrottle(-1, 1); err == nil {
+		t.Fatal("negative rate accepted")
 	}
-	if _, err := NewFailureThrottle(1, 0); err == nil {
-		t.Fatal("zero table accepted")
+	if _, err := NewFailureThrottle(1, -1); err == nil {
+		t.Fatal("negative table size accepted")
+	}
+	if d, err := NewFailureThrottle(0, 0); err != nil || d.perMinute != DefaultAuthFailuresPerMinute || d.max != DefaultFailureTableSize {
+		t.Fatalf("defaults: %v", err)
 	}
 }
 
@@ -684,4 +687,42 @@ func BenchmarkAllow(b *testing.B) {
 			l.Allow(k)
 		}
 	})
+}
+
+func TestAllowAllParallel(t *testing.T) {
+	l := mustNew(t, Config{Tenants: map[string]TenantConfig{
+		"acme": {
+			Requests: Rate{PerSecond: 1, Burst: 20},
+			Secrets:  map[string]Rate{"gh": {PerSecond: 1, Burst: 5}},
+		},
+	}})
+	var passed atomic.Int64
+	var wg sync.WaitGroup
+	for g := 0; g < 16; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < 4; i++ {
+				if ok, retry, _ := l.AllowAll(t0, TenantKey("acme"), SecretKey("acme", "gh")); ok {
+					passed.Add(1)
+				} else if retry <= 0 || retry > time.Second {
+					t.Errorf("retryAfter %v", retry)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if passed.Load() != 5 {
+		t.Fatalf("%d requests passed a secret budget of 5", passed.Load())
+	}
+	// The 59 refused requests gave back every tenant token they took.
+	n := 0
+	for i := 0; i < 30; i++ {
+		if ok, _ := l.AllowAt(TenantKey("acme"), t0); ok {
+			n++
+		}
+	}
+	if n != 15 {
+		t.Fatalf("tenant bucket has %d tokens left, want 15", n)
+	}
 }

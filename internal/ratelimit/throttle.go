@@ -41,13 +41,21 @@ type FailureThrottle struct {
 }
 
 // NewFailureThrottle returns a throttle allowing perMinute failures per source
-// per minute and tracking at most maxSources sources.
+// per minute and tracking at most maxSources sources. Zero selects
+// DefaultAuthFailuresPerMinute and DefaultFailureTableSize respectively; the
+// throttle cannot be switched off.
 func NewFailureThrottle(perMinute, maxSources int) (*FailureThrottle, error) {
-	if perMinute <= 0 {
-		return nil, errors.New("ratelimit: auth failures per minute must be positive")
+	if perMinute < 0 {
+		return nil, errors.New("ratelimit: auth failures per minute must not be negative")
 	}
-	if maxSources <= 0 {
-		return nil, errors.New("ratelimit: failure table size must be positive")
+	if maxSources < 0 {
+		return nil, errors.New("ratelimit: failure table size must not be negative")
+	}
+	if perMinute == 0 {
+		perMinute = DefaultAuthFailuresPerMinute
+	}
+	if maxSources == 0 {
+		maxSources = DefaultFailureTableSize
 	}
 	// A sweep only helps once some bucket may have refilled; retrying sooner
 	// than one token's worth of refill would just burn CPU under a flood.
