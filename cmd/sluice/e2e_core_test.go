@@ -838,6 +838,34 @@ func TestE2ENoRedirects(t *testing.T) {
 		Host: "exact.test", Path: "/redirect", Status: 302})
 }
 
+func TestE2EHeadersToOrigin(t *testing.T) {
+	w := newCoreWorld(t)
+	req := newRequest(t, http.MethodGet, w.url("exact.test", "/headers"))
+	req.Header.Set("Connection", "X-Hop")
+	req.Header.Set("X-Hop", "1")
+	req.Header.Set("Keep-Alive", "timeout=5")
+	req.Header.Set("Proxy-Connection", "keep-alive")
+	req.Header.Set("Te", "trailers")
+	req.Header.Set("X-End-To-End", "kept")
+	req.Header.Set("User-Agent", "") // send none; the proxy must not invent one
+	mark := w.p.AuditMark(t)
+	resp, body := w.p.Do(t, w.acme, req)
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d: %.300s", resp.StatusCode, body)
+	}
+	seen := w.originSaw(t)
+	for _, h := range []string{"X-Hop", "Keep-Alive", "Proxy-Connection", "Proxy-Authorization", "Te", "User-Agent"} {
+		if v, ok := seen.Header[h]; ok {
+			t.Errorf("origin received %s: %q", h, v)
+		}
+	}
+	if seen.Header.Get("X-End-To-End") != "kept" {
+		t.Errorf("an end-to-end header was dropped: %v", seen.Header)
+	}
+	w.p.ExpectRecord(t, mark, wantRecord{Decision: "allow", Reason: "allowed", Rule: "acme-exact", Tenant: "acme",
+		Host: "exact.test", Path: "/headers", Status: 200})
+}
+
 func TestE2EConnectionCloseKeepsUpstreamPooled(t *testing.T) {
 	w := newCoreWorld(t)
 	const n = 20

@@ -19,8 +19,8 @@ package main
 //	resp := p.Get(t, cred, "http://api.test:"+origin.PortString()+"/")
 //	rec := p.ExpectRecord(t, mark, wantRecord{Decision: "allow", ...})
 //
-// Cleanup stops every sluice process with SIGTERM (it must exit 0) and then
-// scans its stderr, its audit files and every header an origin received for
+// Cleanup stops every sluice process with SIGTERM (it must exit 0), checks
+// its audit file with `sluice logs verify`, and then scans its stderr, its audit files and every header an origin received for
 // every credential, token and key the environment handed out.
 
 import (
@@ -207,6 +207,12 @@ func (e *e2eEnv) cleanup() {
 	e.mu.Unlock()
 	for _, p := range procs {
 		p.Stop(t)
+		// What a real run wrote must verify as a hash chain.
+		if _, err := os.Stat(p.AuditPath); err == nil {
+			if out, errOut, code := runSluice(t, "", "logs", "verify", p.AuditPath); code != 0 {
+				t.Errorf("sluice logs verify %s: exit %d\n%s%s", filepath.Base(p.AuditPath), code, out, errOut)
+			}
+		}
 	}
 	type haystack struct {
 		name string
