@@ -160,6 +160,9 @@ func NewAuthenticator(creds map[string][]rules.CredentialSpec, key *Key, revoked
 		a.revoked[r] = struct{}{}
 	}
 	if key != nil {
+		if key.isZero() {
+			return nil, errors.New("identity: token key is all zeros (not loaded?)")
+		}
 		a.hasKey = true
 		k := key.b // copy: the caller's Key may be reused or zeroed
 		a.macs.New = func() any {

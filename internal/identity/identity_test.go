@@ -415,6 +415,12 @@ func TestMintRefuses(t *testing.T) {
 			t.Errorf("%s: accepted", name)
 		}
 	}
+	if _, err := Mint(Key{}, "a", "s", time.Hour, now); err == nil {
+		t.Error("minted with the zero key")
+	}
+	if _, err := NewAuthenticator(map[string][]rules.CredentialSpec{"a": nil}, &Key{}, nil); err == nil {
+		t.Error("authenticator accepted the zero key")
+	}
 	long := strings.Repeat("x", MaxIDLen)
 	tok, err := Mint(k, long, long, MaxTokenTTL, now)
 	if err != nil {

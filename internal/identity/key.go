@@ -40,6 +40,10 @@ func (Key) MarshalText() ([]byte, error) {
 	return nil, errors.New("identity: refusing to marshal a token key")
 }
 
+// isZero reports whether k is the zero Key, which is never a real key: signing
+// with it would let anyone mint tokens.
+func (k *Key) isZero() bool { return k.b == [KeySize]byte{} }
+
 // NewKey returns a fresh random key.
 func NewKey() (Key, error) {
 	var k Key

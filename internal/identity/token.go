@@ -72,6 +72,9 @@ func Mint(key Key, tenant, sandbox string, ttl time.Duration, now time.Time) (st
 	if ttl < time.Second || ttl > MaxTokenTTL {
 		return "", fmt.Errorf("identity: mint: ttl %s is out of range [1s, %s]", ttl, MaxTokenTTL)
 	}
+	if key.isZero() {
+		return "", errors.New("identity: mint: token key is all zeros (not loaded?)")
+	}
 	if now.IsZero() {
 		return "", errors.New("identity: mint: issue time is zero")
 	}
