@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"net"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -14,20 +15,32 @@ import (
 type trackedListener struct {
 	net.Listener
 	maxLifetime time.Duration
+	maxConns    int64 // 0 = unlimited
 	active      atomic.Int64
 
 	mu    sync.Mutex
 	conns map[*trackedConn]struct{}
 }
 
-func newTrackedListener(l net.Listener, maxLifetime time.Duration) *trackedListener {
-	return &trackedListener{Listener: l, maxLifetime: maxLifetime, conns: make(map[*trackedConn]struct{})}
+func newTrackedListener(l net.Listener, maxLifetime time.Duration, maxConns int) *trackedListener {
+	return &trackedListener{Listener: l, maxLifetime: maxLifetime, maxConns: int64(maxConns), conns: make(map[*trackedConn]struct{})}
 }
 
 func (l *trackedListener) Accept() (net.Conn, error) {
-	c, err := l.Listener.Accept()
-	if err != nil {
-		return nil, err
+	var c net.Conn
+	for {
+		var err error
+		c, err = l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		if l.maxConns <= 0 || l.active.Load() < l.maxConns {
+			break
+		}
+		// Over the global connection cap: refuse at once rather than let
+		// connections queue inside the proxy.
+		_, _ = c.Write(overCapacity)
+		_ = c.Close()
 	}
 	if tc, ok := c.(*net.TCPConn); ok {
 		// Small writes (TLS records, response heads) must not wait for
@@ -59,6 +72,13 @@ func (l *trackedListener) closeAll() {
 		_ = c.Close()
 	}
 }
+
+// overCapacity is the whole response to a connection over the global cap.
+var overCapacity = func() []byte {
+	body := `{"error":"sluice is at its connection limit","reason":"rate_limited"}` + "\n"
+	return []byte("HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Type: application/json\r\n" +
+		"X-Sluice-Reason: rate_limited\r\nContent-Length: " + strconv.Itoa(len(body)) + "\r\n\r\n" + body)
+}()
 
 type trackedConn struct {
 	net.Conn

@@ -228,7 +228,11 @@ func (s *Server) identify(ctx context.Context, rec *audit.Record, req *http.Requ
 	}
 	p, err := snap.auth.Authenticate(header, s.opts.Now())
 	if err != nil {
-		s.opts.Limits.AuthFailed(src)
+		if !errors.Is(err, identity.ErrMissing) {
+			// A client's first request often comes without credentials
+			// and is retried after the 407: only wrong ones count.
+			s.opts.Limits.AuthFailed(src)
+		}
 		return identity.Principal{}, s.authFailure(ctx, rec, req, err)
 	}
 	return p, nil

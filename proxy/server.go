@@ -46,7 +46,9 @@ type Options struct {
 	// launcher's bridge, a Unix socket only one sandbox can reach): clients
 	// are not asked for credentials, and any they send are ignored.
 	Bound *identity.Principal
-	Now   func() time.Time
+	// MaxConnections caps open client connections process-wide (0 = no cap).
+	MaxConnections int
+	Now            func() time.Time
 }
 
 // Server is sluice's forward proxy.
@@ -190,7 +192,7 @@ func (s *Server) snapshot() *snapshot { return s.state.Load() }
 
 // Serve accepts proxy connections on ln until Shutdown.
 func (s *Server) Serve(ln net.Listener) error {
-	tl := newTrackedListener(ln, time.Duration(s.cfg.MaxTunnelLifetime))
+	tl := newTrackedListener(ln, time.Duration(s.cfg.MaxTunnelLifetime), s.opts.MaxConnections)
 	hs := &http.Server{
 		Handler:           s.gp,
 		ReadHeaderTimeout: time.Duration(s.cfg.ReadHeaderTimeout),

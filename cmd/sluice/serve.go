@@ -224,7 +224,7 @@ func runServe(ctx context.Context, v *viper.Viper, flags *pflag.FlagSet) error {
 
 	opts := proxy.Options{
 		Logger: logger, Config: sc, Dialer: guard, Audit: aw, Limits: limits,
-		Observer: m, UpstreamRoots: roots,
+		Observer: m, UpstreamRoots: roots, MaxConnections: cfg.Limits.MaxConnections,
 	}
 	if t := v.GetString("bind-tenant"); t != "" {
 		if _, ok := policy.Tenant(t); !ok {
