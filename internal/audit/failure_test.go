@@ -43,8 +43,11 @@ func TestSinkFailureDevFull(t *testing.T) {
 				t.Fatalf("Write = %v under open policy", err)
 			}
 		}
-		if w.Lost() != 5 || w.Healthy() == nil {
-			t.Fatalf("Lost = %d, Healthy = %v", w.Lost(), w.Healthy())
+		if w.Lost() != 5 || w.SinkErr() == nil {
+			t.Fatalf("Lost = %d, SinkErr = %v", w.Lost(), w.SinkErr())
+		}
+		if err := w.Healthy(); err != nil {
+			t.Fatalf("Healthy = %v under open policy: the proxy would refuse traffic", err)
 		}
 	})
 }
@@ -84,9 +87,9 @@ func fillDisk(t *testing.T, dir string) string {
 func waitHealthy(t *testing.T, w *Writer) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
-	for w.Healthy() != nil {
+	for w.SinkErr() != nil {
 		if time.Now().After(deadline) {
-			t.Fatalf("writer did not recover: %v", w.Healthy())
+			t.Fatalf("writer did not recover: %v", w.SinkErr())
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -136,8 +139,11 @@ func TestDiskFullAndRecovery(t *testing.T) {
 			if failed != 5 {
 				t.Fatalf("%d failed writes, want 5", failed)
 			}
-			if w.Healthy() == nil {
-				t.Fatal("Healthy reports nil while the disk is full")
+			if w.SinkErr() == nil {
+				t.Fatal("SinkErr reports nil while the disk is full")
+			}
+			if err := w.Healthy(); (err == nil) != (policy == FailOpen) {
+				t.Fatalf("Healthy = %v on a full disk under policy %s", err, policy)
 			}
 			if policy == FailOpen && w.Lost() != 5 {
 				t.Fatalf("lost %d, want 5", w.Lost())

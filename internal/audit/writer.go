@@ -205,10 +205,23 @@ func (w *Writer) Write(ctx context.Context, r *Record) error {
 	}
 }
 
-// Healthy returns nil while the sink is writable, and an error wrapping
-// ErrUnavailable after the last attempt to write failed. The proxy checks it
-// before doing any work for a new request.
+// Healthy says whether the proxy may take new traffic. Under the closed
+// policy it returns an error wrapping ErrUnavailable after the last attempt
+// to write failed, so the proxy refuses requests (audit_unavailable) and
+// /readyz reports it. Under the open policy it always returns nil: traffic
+// goes on and the loss is counted by Lost and recorded as an audit_gap. The
+// proxy checks it before doing any work for a new request.
 func (w *Writer) Healthy() error {
+	if w.opts.OnFailure == FailOpen {
+		return nil
+	}
+	return w.SinkErr()
+}
+
+// SinkErr returns the error of the last failed attempt to write (under
+// either policy), and nil once a write has succeeded again. It is for
+// monitoring; whether to refuse traffic is Healthy's answer.
+func (w *Writer) SinkErr() error {
 	if p := w.health.Load(); p != nil {
 		return *p
 	}
@@ -294,7 +307,7 @@ func (w *Writer) loop() {
 			}
 		case <-retry.C:
 			// Retry without traffic, so Healthy recovers and the gap is recorded.
-			if w.gap > 0 || w.Healthy() != nil {
+			if w.gap > 0 || w.SinkErr() != nil {
 				w.commit(nil)
 			}
 		}
@@ -303,7 +316,7 @@ func (w *Writer) loop() {
 
 func (w *Writer) finish() error {
 	var errs []error
-	if w.gap > 0 || w.Healthy() != nil {
+	if w.gap > 0 || w.SinkErr() != nil {
 		w.commit(nil)
 	}
 	if w.file != nil {
@@ -463,14 +476,14 @@ func (w *Writer) rollback() {
 }
 
 func (w *Writer) setUnhealthy(err error) {
-	if w.Healthy() == nil {
+	if w.SinkErr() == nil {
 		w.log.Error("audit log cannot be written", "path", w.opts.Path, "policy", w.opts.OnFailure, "err", err)
 	}
 	w.health.Store(&err)
 }
 
 func (w *Writer) setHealthy() {
-	if w.Healthy() != nil {
+	if w.SinkErr() != nil {
 		w.log.Info("audit log writable again", "path", w.opts.Path)
 		w.health.Store(nil)
 	}
