@@ -68,6 +68,9 @@ func (r *reloader) run(ctx context.Context) {
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	base := filepath.Base(r.path)
+	// The debounced reload reports what armed it, so an operator can tell a
+	// SIGHUP from a file change in the log and the audit record.
+	pending := "change"
 	for {
 		select {
 		case <-ctx.Done():
@@ -79,6 +82,9 @@ func (r *reloader) run(ctx context.Context) {
 				continue
 			}
 			if filepath.Base(ev.Name) == base {
+				if pending != "sighup" {
+					pending = "change"
+				}
 				timer.Reset(r.debounce)
 			}
 		case err, ok := <-errs:
@@ -88,11 +94,13 @@ func (r *reloader) run(ctx context.Context) {
 			}
 			r.log.Warn("config file watch error", "err", err)
 		case <-hup:
+			pending = "sighup"
 			timer.Reset(r.debounce)
 		case <-poll.C:
 			r.reload(ctx, "poll")
 		case <-timer.C:
-			r.reload(ctx, "change")
+			r.reload(ctx, pending)
+			pending = "change"
 		}
 	}
 }
@@ -109,7 +117,11 @@ func (r *reloader) reload(ctx context.Context, trigger string) {
 		}
 		return
 	}
-	cfg, pol, _, err := loadConfig(r.path, r.v)
+	// Decode the bytes just compared, never a second read of the file: a
+	// file rewritten between two reads would leave r.last naming bytes that
+	// were never applied, and a later write of those bytes would be skipped
+	// as unchanged while another policy stays in force.
+	cfg, pol, err := configFromBytes(r.path, data, r.v)
 	if err == nil {
 		err = r.apply(cfg, pol)
 	}
@@ -129,4 +141,25 @@ func (r *reloader) fail(ctx context.Context, trigger string, err error) {
 	r.metrics.Reload("failed")
 	r.log.Error("config reload failed; the running policy stays in force", "trigger", trigger, "err", err)
 	_ = r.audit.Write(ctx, &audit.Record{Time: time.Now().UTC(), Kind: audit.KindConfigReload, Decision: audit.DecisionError, Message: "config reload failed; previous policy kept"})
+}
+
+// configFromBytes is loadConfig for bytes already read: decode strictly,
+// resolve paths against the config's directory, apply the flag and
+// environment overrides, compile.
+func configFromBytes(path string, data []byte, v *viper.Viper) (*rules.Config, *rules.Policy, error) {
+	cfg, err := rules.Parse(data, path)
+	if err != nil {
+		return nil, nil, err
+	}
+	resolvePaths(cfg, filepath.Dir(path))
+	for _, o := range serverOverrides {
+		if v != nil && v.IsSet(o.flag) && v.GetString(o.flag) != "" {
+			*o.field(cfg) = v.GetString(o.flag)
+		}
+	}
+	pol, err := rules.Compile(cfg)
+	if err != nil {
+		return nil, nil, err
+	}
+	return cfg, pol, nil
 }
