@@ -104,12 +104,24 @@ func (s *Server) handleConnect(_ string, pctx *goproxy.ProxyCtx) (*goproxy.Conne
 		return reject(resp)
 	}
 
+	// The decision is recorded before the client hears "200": a tunnel
+	// that is open is a tunnel on record, even if the proxy dies while it
+	// runs. Its bytes are recorded in a second, tunnel record at close.
+	rec.Intercepted = intercept
+	rec.Status = http.StatusOK
+	open := *rec
+	open.DurationMS = float64(s.opts.Now().Sub(rec.Time).Microseconds()) / 1000
+	s.opts.Observer.Decision(rec.Tenant, string(rec.Decision), rules.Reason(rec.Reason), open.DurationMS/1000)
+	if err := s.write(context.WithoutCancel(ctx), &open); err != nil {
+		release()
+		return reject(denialResponse(req, http.StatusServiceUnavailable, rules.ReasonAuditUnavailable, nh, ruleID(d), rec.ID))
+	}
 	tun := &tunnel{
 		id: rec.ID, principal: p, scheme: "https", host: nh, isIP: isIP, port: port,
 		rec: rec, release: release,
 	}
 	rec.Kind = audit.KindTunnel
-	rec.Intercepted = intercept
+	rec.Status = 0
 	exceptions := d.Tenant.AllowCIDRs
 	return &goproxy.ConnectAction{
 		Action: goproxy.ConnectHijack,
