@@ -407,6 +407,22 @@ func TestE2EAuditKill9UnderLoad(t *testing.T) {
 	if strings.Contains(out, "FAILED") {
 		t.Errorf("verify reports tampering after a crash:\n%s", out)
 	}
+	if st.Torn == 0 {
+		// The kill landed between writes (one write(2) per batch makes that
+		// likely). Leave what a kill inside a write leaves, the start of
+		// the next line, so the torn-tail path is always exercised.
+		last := recs[len(recs)-1]
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_APPEND, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintf(f, `{"v":1,"seq":%d,"prev":"%s","time":"2026-`, last.Seq+1, last.Hash)
+		f.Close()
+		out = audRequireVerified(t, path)
+		if !strings.Contains(out, "partial final line") {
+			t.Errorf("verify does not report the torn tail as a crash:\n%s", out)
+		}
+	}
 
 	// A restart on the same log continues the chain (or, after a torn tail,
 	// sets the damaged file aside and says so in the next header).
@@ -418,11 +434,18 @@ func TestE2EAuditKill9UnderLoad(t *testing.T) {
 	out = audRequireVerified(t, path)
 	after, _ := audReadSet(t, path)
 	var found bool
+	var headers []string
 	for _, r := range after {
 		found = found || (r.Kind == audit.KindRequest && r.Path == "/after-restart")
+		if r.Kind == audit.KindChain {
+			headers = append(headers, r.Reason)
+		}
 	}
 	if !found || len(after) <= len(recs) {
 		t.Errorf("after restart: %d records (had %d), /after-restart recorded: %t\n%s", len(after), len(recs), found, out)
+	}
+	if len(headers) != 2 || headers[1] != audit.ChainTornTail || !strings.Contains(out, "partial line left by a crash") {
+		t.Errorf("after restart on a torn log: chain headers %v, want [start torn_tail] and a note in verify:\n%s", headers, out)
 	}
 	t.Logf("verify after restart: %s", strings.TrimSpace(out))
 }
