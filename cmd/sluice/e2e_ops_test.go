@@ -332,7 +332,9 @@ func opsParseMetrics(text string) (opsMetrics, error) {
 }
 
 // Get returns the sample for name and labels (exact label set), 0 if absent.
-func (m opsMetrics) Get(name string, kv ...string) float64 { return m.samples[opsMetricKey(name, kv...)] }
+func (m opsMetrics) Get(name string, kv ...string) float64 {
+	return m.samples[opsMetricKey(name, kv...)]
+}
 
 // Has says whether a sample with exactly these labels exists.
 func (m opsMetrics) Has(name string, kv ...string) bool {
@@ -833,5 +835,203 @@ func TestE2EOpsByteRate(t *testing.T) {
 	}
 	if got := m.Get("sluice_bytes_total", "tenant", "bytes", "direction", "egress"); got < size {
 		t.Errorf("sluice_bytes_total{bytes,egress} = %v, want at least %d", got, size)
+	}
+}
+
+func TestE2EOpsSecretBudget(t *testing.T) {
+	env := newE2EEnv(t)
+	pki := newTestPKI(t, env.Dir)
+	caCert, caKey, sluiceCA := opsInitCA(t, env)
+	dns := startTestDNS(t, map[string][]string{
+		"a.secret.test": {"127.0.0.1"}, "b.secret.test": {"127.0.0.1"}, "plain.secret.test": {"127.0.0.1"},
+	})
+	// Not tracked by env: this origin is meant to receive the secret.
+	origin := startOpsOrigin(t, pki.ServerConfig(t, "a.secret.test", "b.secret.test", "plain.secret.test"))
+	secret := "sk-budget-" + opsRandomHex(t, 16)
+	env.MarkSecret(secret)
+	if err := os.WriteFile(env.Path("secrets.yaml"), []byte("api: "+secret+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cred := env.StaticCredential("acme", "acme-ci")
+	const budget = 4
+	P := origin.Port
+	cfg := fmt.Sprintf(opsHeader, "5s") + fmt.Sprintf(`ca:
+  cert: %[1]s
+  key: %[2]s
+broker:
+  file:
+    path: secrets.yaml
+secrets:
+  - name: api
+    source: file
+    hosts: [a.secret.test, b.secret.test]
+    limits: {requests_per_second: 0.1, burst: %[5]d}
+tenants:
+  - id: acme
+%[3]s    allow_private_cidrs: [127.0.0.0/8]
+    allow:
+      - id: acme-a
+        host: a.secret.test
+        ports: [%[4]d]
+        inject:
+          - header: Authorization
+            value: "Bearer ${secret:api}"
+      - id: acme-b
+        host: b.secret.test
+        ports: [%[4]d]
+        inject:
+          - header: Authorization
+            value: "Bearer ${secret:api}"
+      - id: acme-plain
+        host: plain.secret.test
+        ports: [%[4]d]
+        inspect: true
+`, caCert, caKey, opsCred(cred), P, budget)
+	p := env.StartSluice(cfg, sluiceOptions{Resolver: dns.Addr, UpstreamCA: pki.CAFile})
+	clientTLS := &tls.Config{RootCAs: sluiceCA, MinVersion: tls.VersionTLS12}
+	u := func(host string) string { return fmt.Sprintf("https://%s:%d/s", host, P) }
+	mark := p.AuditMark(t)
+
+	// Four requests, spread over two rules and three tunnels (c1 carries
+	// two), spend the secret's whole budget ...
+	c1 := p.Client(cred, clientTLS)
+	defer c1.CloseIdleConnections()
+	fresh := func(host string) opsResult {
+		cl := p.Client(cred, clientTLS)
+		defer cl.CloseIdleConnections()
+		return opsGet(cl, u(host))
+	}
+	steps := []struct {
+		name string
+		do   func() opsResult
+		want int
+	}{
+		{"rule a, tunnel 1", func() opsResult { return opsGet(c1, u("a.secret.test")) }, 200},
+		{"rule a, tunnel 1 again", func() opsResult { return opsGet(c1, u("a.secret.test")) }, 200},
+		{"rule b, tunnel 2", func() opsResult { return fresh("b.secret.test") }, 200},
+		{"rule a, tunnel 3", func() opsResult { return fresh("a.secret.test") }, 200},
+		// ... so both rules are refused now, in new tunnels and old ones.
+		{"rule b, tunnel 4", func() opsResult { return fresh("b.secret.test") }, 429},
+		{"rule a, tunnel 1 after the budget", func() opsResult { return opsGet(c1, u("a.secret.test")) }, 429},
+		{"rule b, tunnel 5", func() opsResult { return fresh("b.secret.test") }, 429},
+	}
+	for _, s := range steps {
+		r := s.do()
+		if r.Err != nil {
+			t.Fatalf("%s: %v", s.name, r.Err)
+		}
+		if s.want == 200 {
+			if r.Status != 200 {
+				t.Errorf("%s: %s", s.name, r)
+			}
+			continue
+		}
+		checkDenial(t, s.name, &http.Response{StatusCode: r.Status, Header: r.Header}, r.Body, http.StatusTooManyRequests, "rate_limited")
+		if ra := opsRetryAfter(r.Header); ra < 1 || ra > 10 {
+			t.Errorf("%s: Retry-After %q, want 1..10", s.name, r.Header.Get("Retry-After"))
+		}
+	}
+	// The tenant itself is not limited: a rule without the secret still works.
+	for i := range 3 {
+		if r := fresh("plain.secret.test"); r.Status != 200 {
+			t.Errorf("request %d to a rule without the secret: %s", i+1, r)
+		}
+	}
+	auths := origin.Authorizations()
+	withSecret := 0
+	for _, a := range auths {
+		if a == "Bearer "+secret {
+			withSecret++
+		} else if a != "" {
+			t.Errorf("origin saw an unexpected Authorization header (length %d)", len(a))
+		}
+	}
+	if withSecret != budget {
+		t.Errorf("origin received %d requests carrying the secret, want exactly the budget %d", withSecret, budget)
+	}
+	recs := p.WaitRecords(t, mark, len(steps)+3)
+	inner := opsRecordsWhere(recs, func(r audit.Record) bool { return r.Kind == audit.KindRequest && r.Intercepted })
+	allowed := opsRecordsWhere(inner, func(r audit.Record) bool {
+		return r.Decision == "allow" && len(r.Secrets) == 1 && r.Secrets[0] == "api"
+	})
+	limited := opsRecordsWhere(inner, func(r audit.Record) bool { return r.Reason == "rate_limited" && r.Status == 429 })
+	if len(allowed) != budget || len(limited) != 3 {
+		t.Errorf("audit: %d allowed requests naming secret api, %d rate_limited; want %d and 3:\n%s",
+			len(allowed), len(limited), budget, describeRecords(recs))
+	}
+	m := opsScrape(t, p)
+	if got := m.Get("sluice_limit_refusals_total", "tenant", "acme", "limit", "rate"); got != 3 {
+		t.Errorf("sluice_limit_refusals_total{acme,rate} = %v, want 3", got)
+	}
+	if strings.Contains(m.text, secret) {
+		t.Error("/metrics contains the secret value")
+	}
+}
+
+func TestE2EOpsAuthThrottle(t *testing.T) {
+	env := newE2EEnv(t)
+	dns := startTestDNS(t, map[string][]string{"ok.test": {"127.0.0.1"}})
+	origin := startOpsOrigin(t, nil)
+	good := env.StaticCredential("acme", "acme-ci")
+	bad := env.Credential("acme", "wrong-"+opsRandomHex(t, 16))
+	const perMinute = 5
+	cfg := fmt.Sprintf(opsHeader, "5s") + fmt.Sprintf(`limits:
+  auth_failures_per_minute: %d
+tenants:
+  - id: acme
+%s    allow_private_cidrs: [127.0.0.0/8]
+    allow:
+      - id: acme-ok
+        host: ok.test
+        ports: [%d]
+`, perMinute, opsCred(good), origin.Port)
+	p := env.StartSluice(cfg, sluiceOptions{Resolver: dns.Addr})
+	target := fmt.Sprintf("http://ok.test:%d/", origin.Port)
+	mark := p.AuditMark(t)
+
+	// from returns a client whose connections come from source (a loopback
+	// address): the throttle is per source address.
+	from := func(c testCredential, source string) *http.Client {
+		cl := p.Client(c, nil)
+		d := &net.Dialer{Timeout: 5 * time.Second, LocalAddr: &net.TCPAddr{IP: net.ParseIP(source)}}
+		cl.Transport.(*http.Transport).DialContext = d.DialContext
+		return cl
+	}
+	badA := from(bad, "127.0.0.1")
+	defer badA.CloseIdleConnections()
+	for i := range perMinute {
+		r := opsGet(badA, target)
+		if r.Status != http.StatusProxyAuthRequired || r.Header.Get("X-Sluice-Reason") != "auth_invalid" {
+			t.Fatalf("failure %d of %d: %s", i+1, perMinute, r)
+		}
+	}
+	r := opsGet(badA, target)
+	checkDenial(t, "failure over the limit", &http.Response{StatusCode: r.Status, Header: r.Header}, r.Body, http.StatusProxyAuthRequired, "auth_throttled")
+	if r.Header.Get("Proxy-Authenticate") == "" {
+		t.Error("throttled 407 without Proxy-Authenticate")
+	}
+	// Throttled means the credential is not even checked: a good one from
+	// the same address is refused too ...
+	goodA := from(good, "127.0.0.1")
+	defer goodA.CloseIdleConnections()
+	if r := opsGet(goodA, target); r.Header.Get("X-Sluice-Reason") != "auth_throttled" {
+		t.Errorf("good credential from the throttled address: %s", r)
+	}
+	// ... while another source address is not affected.
+	goodB := from(good, "127.0.0.2")
+	defer goodB.CloseIdleConnections()
+	if r := opsGet(goodB, target); r.Status != http.StatusOK {
+		t.Errorf("good credential from another address: %s", r)
+	}
+	recs := p.WaitRecords(t, mark, perMinute+3)
+	throttled := opsRecordsWhere(recs, func(r audit.Record) bool {
+		return r.Kind == audit.KindAuthFailure && r.Reason == "auth_throttled" && r.Status == 407 && strings.HasPrefix(r.Client, "127.0.0.1:")
+	})
+	if len(throttled) != 2 {
+		t.Errorf("audit: %d auth_throttled records from 127.0.0.1, want 2:\n%s", len(throttled), describeRecords(recs))
+	}
+	m := opsScrape(t, p)
+	if got := m.Get("sluice_requests_total", "tenant", "unknown", "decision", "deny", "reason", "auth_throttled"); got != 2 {
+		t.Errorf("sluice_requests_total{unknown,deny,auth_throttled} = %v, want 2", got)
 	}
 }
