@@ -40,7 +40,7 @@ var tableCols = []struct {
 	name  string
 	width int
 }{
-	{"TIME", 20}, {"TENANT", 10}, {"SANDBOX", 12}, {"KIND", 13}, {"DECISION", 10}, {"REASON", 24},
+	{"TIME", 20}, {"TENANT", 10}, {"SANDBOX", 12}, {"KIND", 13}, {"DECISION", 10}, {"REASON", 26},
 	{"METHOD", 7}, {"DESTINATION", 32}, {"STATUS", 8}, {"IN/OUT", 13}, {"PATH / DETAIL", 0},
 }
 
@@ -76,7 +76,10 @@ func (t *Table) Write(r *Record) error {
 	case KindAuditGap:
 		detail = fmt.Sprintf("lost %d: %s", r.Lost, r.Message)
 	case KindChain:
-		detail = "continues " + r.PrevFile
+		detail = ""
+		if r.PrevFile != "" {
+			detail = "continues " + r.PrevFile
+		}
 	case KindConfigReload, KindAuthFailure:
 		if detail == "" {
 			detail = r.Message
