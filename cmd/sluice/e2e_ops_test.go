@@ -1035,3 +1035,860 @@ tenants:
 		t.Errorf("sluice_requests_total{unknown,deny,auth_throttled} = %v, want 2", got)
 	}
 }
+
+// ---------------------------------------------------------------------------
+// Hot reload.
+
+// reloadConfig is a valid policy: always.test is allowed in every version,
+// <version>-only.test only in that version.
+func reloadConfig(version string, cred testCredential, port int, cidrs string, extra string) string {
+	return fmt.Sprintf(opsHeader, "5s") + fmt.Sprintf(`limits:
+  auth_failures_per_minute: 100000
+tenants:
+  - id: acme
+%[1]s    allow_private_cidrs: [%[4]s]
+    allow:
+      - id: always
+        host: always.test
+        ports: [%[2]d]
+      - id: only-%[3]s
+        host: %[3]s-only.test
+        ports: [%[2]d]
+%[5]s`, opsCred(cred), port, version, cidrs, extra)
+}
+
+// reloadOp is one rewrite of the config file.
+type reloadOp struct {
+	kind    string // valid, syntax, unknown-key, bad-cidr, half, delete-recreate, rename, rename-broken
+	version string // the valid version written (valid, half, delete-recreate, rename)
+	settle  bool   // wait until sluice has acted on it
+}
+
+func TestE2EOpsHotReload(t *testing.T) {
+	env := newE2EEnv(t)
+	dns := startTestDNS(t, map[string][]string{
+		"always.test": {"127.0.0.1"}, "a-only.test": {"127.0.0.1"}, "b-only.test": {"127.0.0.1"}, "broken.test": {"127.0.0.1"},
+	})
+	origin := startOpsOrigin(t, nil)
+	cred := env.StaticCredential("acme", "acme-ci")
+	P := origin.Port
+	const cidrs = "127.0.0.0/8"
+	// Every write is unique (a valid one also allows its own w<i>.test, a
+	// broken one carries a comment), so each is really decoded rather than
+	// skipped as unchanged, and a settled write can be told from the ones
+	// before it.
+	mark := func(i int) string {
+		return fmt.Sprintf("      - id: mark\n        host: w%d.test\n        ports: [%d]\n", i, P)
+	}
+	valid := func(v string, i int) string { return reloadConfig(v, cred, P, cidrs, mark(i)) }
+	// Each broken version would allow broken.test if it were applied.
+	brokenRule := fmt.Sprintf("      - id: broken\n        host: broken.test\n        ports: [%d]\n", P)
+	broken := func(kind string, i int) string {
+		stamp := fmt.Sprintf("# rewrite %d\n", i)
+		switch kind {
+		case "syntax", "rename-broken":
+			return stamp + reloadConfig("a", cred, P, cidrs, fmt.Sprintf("      - id: broken\n        host: broken.test\n        ports: [%d\n", P))
+		case "unknown-key":
+			return stamp + reloadConfig("a", cred, P, cidrs, brokenRule+"        hots: [x]\n")
+		case "bad-cidr":
+			return stamp + reloadConfig("b", cred, P, cidrs+", 10.0.0.0/33", brokenRule)
+		}
+		t.Fatalf("no broken version %q", kind)
+		return ""
+	}
+	for i := range 101 {
+		dns.Set(t, fmt.Sprintf("w%d.test", i), "127.0.0.1")
+	}
+	p := env.StartSluice(valid("a", 100), sluiceOptions{Resolver: dns.Addr})
+	path := p.ConfigPath
+
+	// 100 rewrites: ten cycles of ten. Even cycles wait for sluice to act on
+	// most writes (so broken and half-written files are really read); odd
+	// cycles write faster than the debounce. Every cycle ends with a valid
+	// version in force and then a broken write on top of it.
+	pattern := []reloadOp{
+		{kind: "valid", version: "a", settle: true},
+		{kind: "syntax", settle: true},
+		{kind: "valid", version: "b"},
+		{kind: "unknown-key"},
+		{kind: "half", version: "a", settle: true},
+		{kind: "bad-cidr"},
+		{kind: "delete-recreate", version: "b", settle: true},
+		{kind: "rename", version: "a"},
+		{kind: "rename", version: "b", settle: true},
+		{kind: "rename-broken", settle: true},
+	}
+	var ops []reloadOp
+	for c := range 10 {
+		for i, op := range pattern {
+			if c%2 == 1 && i < 8 {
+				op.settle = false
+			}
+			ops = append(ops, op)
+		}
+	}
+
+	cl := func() *http.Client { return p.Client(cred, nil) }
+	u := func(host string) string { return fmt.Sprintf("http://%s:%d/", host, P) }
+
+	// The load: four workers on the host every version allows, one on the
+	// host only broken versions allow.
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var total, failed, brokenAllowed, brokenProbes atomic.Int64
+	var failMu sync.Mutex
+	var failures []string
+	note := func(s string) {
+		failMu.Lock()
+		if len(failures) < 10 {
+			failures = append(failures, s)
+		}
+		failMu.Unlock()
+	}
+	hardStop := time.Now().Add(60 * time.Second)
+	for w := range 4 {
+		wg.Go(func() {
+			c := cl()
+			defer c.CloseIdleConnections()
+			for i := 0; i < 20000 && time.Now().Before(hardStop); i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				r := opsGet(c, u("always.test"))
+				total.Add(1)
+				if r.Err != nil || r.Status != http.StatusOK {
+					failed.Add(1)
+					note(fmt.Sprintf("worker %d: %s", w, r))
+				}
+				time.Sleep(3 * time.Millisecond)
+			}
+		})
+	}
+	wg.Go(func() {
+		c := cl()
+		defer c.CloseIdleConnections()
+		for i := 0; i < 5000 && time.Now().Before(hardStop); i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			r := opsGet(c, u("broken.test"))
+			brokenProbes.Add(1)
+			if r.Err != nil || r.Status != http.StatusForbidden || r.Header.Get("X-Sluice-Reason") != "not_allowlisted" {
+				brokenAllowed.Add(1)
+				note("broken.test: " + r.String())
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	})
+	defer func() {
+		select {
+		case <-stop:
+		default:
+			close(stop)
+		}
+		wg.Wait()
+	}()
+
+	probe := cl()
+	defer probe.CloseIdleConnections()
+	// inForce waits (bounded) until version v is the policy in force.
+	inForce := func(v string, i int) {
+		t.Helper()
+		other := map[string]string{"a": "b", "b": "a"}[v]
+		deadline := time.Now().Add(e2eTimeout)
+		for {
+			r := opsGet(probe, u(fmt.Sprintf("w%d.test", i)))
+			if r.Status == http.StatusOK {
+				r = opsGet(probe, u(v+"-only.test"))
+			}
+			if r.Status == http.StatusOK {
+				if r2 := opsGet(probe, u(other+"-only.test")); r2.Status != http.StatusForbidden {
+					t.Fatalf("version %s in force but %s-only.test answers %s", v, other, r2)
+				}
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("write %d (version %s) never came into force (last probe: %s)", i, v, r)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	// failedAfter waits (bounded) until the failed-reload counter passes n.
+	failedAfter := func(n float64, what string) {
+		t.Helper()
+		opsWaitMetrics(t, p, "a failed reload after "+what, func(m opsMetrics) bool { return opsReloads(m, "failed") > n })
+	}
+	failedNow := func() float64 { return opsReloads(opsScrape(t, p), "failed") }
+	writeFile := func(data string) {
+		t.Helper()
+		if err := os.WriteFile(path, []byte(data), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	renameOver := func(data string) {
+		t.Helper()
+		tmp := path + ".tmp"
+		if err := os.WriteFile(tmp, []byte(data), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	start := time.Now()
+	settledValid, settledBroken := 0, 0
+	for i, op := range ops {
+		before := 0.0
+		if op.settle && op.version == "" {
+			before = failedNow()
+		}
+		switch op.kind {
+		case "valid":
+			writeFile(valid(op.version, i))
+		case "syntax", "unknown-key", "bad-cidr":
+			writeFile(broken(op.kind, i))
+		case "rename":
+			renameOver(valid(op.version, i))
+		case "rename-broken":
+			renameOver(broken(op.kind, i))
+		case "half":
+			// A writer that stalls mid-file: the prefix ends inside a key, so
+			// it is not valid YAML; settled cycles make sure sluice reads it.
+			full := valid(op.version, i)
+			cut := strings.Index(full, "allow_private_cidrs") + len("allow_private_ci")
+			f, err := os.OpenFile(path, os.O_WRONLY|os.O_TRUNC, 0o600)
+			if err != nil {
+				t.Fatal(err)
+			}
+			n := failedNow()
+			if _, err := f.WriteString(full[:cut]); err != nil {
+				t.Fatal(err)
+			}
+			if op.settle {
+				failedAfter(n, "a half-written file")
+			} else {
+				time.Sleep(30 * time.Millisecond)
+			}
+			if _, err := f.WriteString(full[cut:]); err != nil {
+				t.Fatal(err)
+			}
+			if err := f.Close(); err != nil {
+				t.Fatal(err)
+			}
+		case "delete-recreate":
+			n := failedNow()
+			if err := os.Remove(path); err != nil {
+				t.Fatal(err)
+			}
+			if op.settle {
+				failedAfter(n, "deleting the config")
+			} else {
+				time.Sleep(30 * time.Millisecond)
+			}
+			writeFile(valid(op.version, i))
+		default:
+			t.Fatalf("op %d: unknown kind %q", i, op.kind)
+		}
+		switch {
+		case op.settle && op.version != "":
+			inForce(op.version, i)
+			settledValid++
+		case op.settle:
+			failedAfter(before, op.kind)
+			settledBroken++
+		default:
+			time.Sleep(30 * time.Millisecond)
+		}
+	}
+	rewriting := time.Since(start)
+	close(stop)
+	wg.Wait()
+
+	t.Logf("%d rewrites in %v (%d settled valid, %d settled broken); %d requests to always.test, %d probes of broken.test",
+		len(ops), rewriting.Round(time.Millisecond), settledValid, settledBroken, total.Load(), brokenProbes.Load())
+	if failed.Load() != 0 || brokenAllowed.Load() != 0 {
+		t.Errorf("%d of %d requests to the always-allowed host failed; %d of %d probes of broken.test were not refused; first: %s",
+			failed.Load(), total.Load(), brokenAllowed.Load(), brokenProbes.Load(), strings.Join(failures, "; "))
+	}
+	if total.Load() < 100 || brokenProbes.Load() < 50 {
+		t.Errorf("too little load ran alongside the rewrites: %d requests, %d probes", total.Load(), brokenProbes.Load())
+	}
+	// The last write was broken: the last good version, b (write 98), is in force.
+	inForce("b", len(ops)-2)
+	if r := opsGet(probe, u("broken.test")); r.Status != http.StatusForbidden {
+		t.Errorf("broken.test after the rewrites: %s", r)
+	}
+	m := opsScrape(t, p)
+	if ok := opsReloads(m, "ok"); ok < float64(settledValid) {
+		t.Errorf("sluice_config_reloads_total{ok} = %v, want at least %d", ok, settledValid)
+	}
+	if f := opsReloads(m, "failed"); f < float64(settledBroken) {
+		t.Errorf("sluice_config_reloads_total{failed} = %v, want at least %d", f, settledBroken)
+	}
+	recs := p.Records(t)
+	reloadsOK := opsRecordsWhere(recs, func(r audit.Record) bool { return r.Kind == audit.KindConfigReload && r.Decision == "allow" })
+	reloadsBad := opsRecordsWhere(recs, func(r audit.Record) bool { return r.Kind == audit.KindConfigReload && r.Decision == "error" })
+	if len(reloadsOK) < settledValid || len(reloadsBad) < settledBroken {
+		t.Errorf("audit: %d reload and %d failed-reload records, want at least %d and %d", len(reloadsOK), len(reloadsBad), settledValid, settledBroken)
+	}
+
+	t.Run("SIGHUP", func(t *testing.T) {
+		before := opsReloads(opsScrape(t, p), "unchanged")
+		if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+			t.Fatal(err)
+		}
+		// The file has not changed, so the reload SIGHUP triggers reads it
+		// and reports it unchanged.
+		opsWaitMetrics(t, p, "a reload after SIGHUP", func(m opsMetrics) bool { return opsReloads(m, "unchanged") > before })
+		// A changed file with a SIGHUP is applied and logged as such.
+		writeFile(valid("a", 100))
+		if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+			t.Fatal(err)
+		}
+		inForce("a", 100)
+		deadline := time.Now().Add(e2eTimeout)
+		for !strings.Contains(p.Stderr(), `"trigger":"sighup"`) {
+			if time.Now().After(deadline) {
+				t.Fatalf("no reload logged with trigger sighup:\n%s", tail(p.Stderr(), 3000))
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+}
+
+// TestE2EOpsReloadTunnels checks what docs/operations.md says about tunnels
+// on reload: a spliced tunnel keeps running until it closes, while the next
+// request inside an intercepted tunnel, and every new CONNECT, is decided by
+// the new policy.
+func TestE2EOpsReloadTunnels(t *testing.T) {
+	env := newE2EEnv(t)
+	pki := newTestPKI(t, env.Dir)
+	caCert, caKey, sluiceCA := opsInitCA(t, env)
+	dns := startTestDNS(t, map[string][]string{"spliced.test": {"127.0.0.1"}, "inspected.test": {"127.0.0.1"}})
+	origin := startOpsOrigin(t, pki.ServerConfig(t, "spliced.test", "inspected.test"))
+	cred := env.StaticCredential("acme", "acme-ci")
+	P := origin.Port
+	config := func(withRules bool) string {
+		rulesYAML := fmt.Sprintf("      - id: keep\n        host: keep.test\n        ports: [%d]\n", P)
+		if withRules {
+			rulesYAML += fmt.Sprintf(`      - id: spliced
+        host: spliced.test
+        ports: [%[1]d]
+      - id: inspected
+        host: inspected.test
+        ports: [%[1]d]
+        inspect: true
+`, P)
+		}
+		return fmt.Sprintf(opsHeader, "5s") + fmt.Sprintf(`ca:
+  cert: %s
+  key: %s
+tenants:
+  - id: acme
+%s    allow_private_cidrs: [127.0.0.0/8]
+    allow:
+%s`, caCert, caKey, opsCred(cred), rulesYAML)
+	}
+	p := env.StartSluice(config(true), sluiceOptions{Resolver: dns.Addr, UpstreamCA: pki.CAFile})
+
+	open := func(host string, cfg *tls.Config) (*tls.Conn, *bufio.Reader) {
+		t.Helper()
+		conn, resp, body, err := opsConnect(p.ProxyAddr, cred, fmt.Sprintf("%s:%d", host, P))
+		if err != nil || conn == nil {
+			t.Fatalf("CONNECT %s: %v %v %.200q", host, err, resp != nil, body)
+		}
+		tc, err := opsTLS(conn, cfg)
+		if err != nil {
+			t.Fatalf("TLS to %s: %v", host, err)
+		}
+		t.Cleanup(func() { tc.Close() })
+		return tc, bufio.NewReader(tc)
+	}
+	spliced, sbr := open("spliced.test", pki.ClientConfig("spliced.test"))
+	inspected, ibr := open("inspected.test", &tls.Config{RootCAs: sluiceCA, ServerName: "inspected.test", MinVersion: tls.VersionTLS12})
+	sHost, iHost := fmt.Sprintf("spliced.test:%d", P), fmt.Sprintf("inspected.test:%d", P)
+	if r := opsGetInside(spliced, sbr, sHost, "/before"); r.Status != 200 {
+		t.Fatalf("spliced tunnel before reload: %s", r)
+	}
+	if r := opsGetInside(inspected, ibr, iHost, "/before"); r.Status != 200 {
+		t.Fatalf("intercepted tunnel before reload: %s", r)
+	}
+
+	before := opsReloads(opsScrape(t, p), "ok")
+	if err := os.WriteFile(p.ConfigPath, []byte(config(false)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opsWaitMetrics(t, p, "the reload that drops both rules", func(m opsMetrics) bool { return opsReloads(m, "ok") > before })
+
+	if r := opsGetInside(spliced, sbr, sHost, "/after"); r.Status != 200 {
+		t.Errorf("spliced tunnel after its rule was removed: %s (it should run until it closes)", r)
+	}
+	r := opsGetInside(inspected, ibr, iHost, "/after")
+	checkDenial(t, "request inside an intercepted tunnel after its rule was removed",
+		&http.Response{StatusCode: r.Status, Header: r.Header}, r.Body, http.StatusForbidden, "not_allowlisted")
+	conn, resp, body, err := opsConnect(p.ProxyAddr, cred, fmt.Sprintf("spliced.test:%d", P))
+	if err != nil || conn != nil {
+		t.Fatalf("new CONNECT after the rule was removed: conn=%v err=%v", conn != nil, err)
+	}
+	checkDenial(t, "new CONNECT after the rule was removed", resp, body, http.StatusForbidden, "not_allowlisted")
+}
+
+// ---------------------------------------------------------------------------
+// Metrics.
+
+func TestE2EOpsMetrics(t *testing.T) {
+	env := newE2EEnv(t)
+	pki := newTestPKI(t, env.Dir)
+	dns := startTestDNS(t, map[string][]string{"m.test": {"127.0.0.1"}, "other.test": {"127.0.0.1"}, "tls.m.test": {"127.0.0.1"}})
+	origin := startOpsOrigin(t, nil)
+	tlsOrigin := startOpsOrigin(t, pki.ServerConfig(t, "tls.m.test"))
+	acme := env.StaticCredential("acme", "acme-ci")
+	slow := env.StaticCredential("slowpoke", "slowpoke-ci")
+	cfg := fmt.Sprintf(opsHeader, "5s") + fmt.Sprintf(`limits:
+  auth_failures_per_minute: 10000
+tenants:
+  - id: acme
+%[1]s    allow_private_cidrs: [127.0.0.0/8]
+    allow:
+      - id: acme-m
+        host: m.test
+        ports: [%[3]d]
+      - id: acme-tls
+        host: tls.m.test
+        ports: [%[4]d]
+  - id: slowpoke
+%[2]s    allow_private_cidrs: [127.0.0.0/8]
+    allow:
+      - id: slowpoke-m
+        host: m.test
+        ports: [%[3]d]
+    limits: {requests_per_second: 0.1, burst: 1}
+`, opsCred(acme), opsCred(slow), origin.Port, tlsOrigin.Port)
+	p := env.StartSluice(cfg, sluiceOptions{Resolver: dns.Addr, UpstreamCA: pki.CAFile})
+	m0 := opsScrape(t, p)
+	for _, name := range []string{"sluice_audit_queue_depth", "sluice_audit_lost_total", "sluice_tunnels_active", "sluice_connections_active", "sluice_policy_loaded_timestamp_seconds"} {
+		if !m0.Has(name) {
+			t.Errorf("/metrics has no %s", name)
+		}
+	}
+
+	cl := p.Client(acme, nil)
+	defer cl.CloseIdleConnections()
+	// Allowed GETs and POSTs whose sizes the test knows exactly.
+	var down, up int64
+	const gets, posts = 5, 3
+	for i := range gets {
+		r := opsGet(cl, fmt.Sprintf("http://m.test:%d/get/%d", origin.Port, i))
+		if r.Status != 200 {
+			t.Fatalf("GET %d: %s", i, r)
+		}
+		down += int64(len(r.Body))
+	}
+	for i := range posts {
+		body := bytes.Repeat([]byte("p"), 1000*(i+1))
+		req, _ := http.NewRequest(http.MethodPost, fmt.Sprintf("http://m.test:%d/upload", origin.Port), bytes.NewReader(body))
+		r := opsDo(cl, req)
+		if r.Status != 200 {
+			t.Fatalf("POST %d: %s", i, r)
+		}
+		down += int64(len(r.Body))
+		up += int64(len(body))
+	}
+	// Denials: not allowlisted, rate limited, and authentication failures
+	// naming tenants that do not exist.
+	const denied = 4
+	for i := range denied {
+		if r := opsGet(cl, fmt.Sprintf("http://other.test:%d/%d", origin.Port, i)); r.Status != 403 {
+			t.Fatalf("denied request %d: %s", i, r)
+		}
+	}
+	slowCl := p.Client(slow, nil)
+	defer slowCl.CloseIdleConnections()
+	for i, want := range []int{200, 429, 429} {
+		if r := opsGet(slowCl, fmt.Sprintf("http://m.test:%d/s", origin.Port)); r.Status != want {
+			t.Fatalf("slowpoke request %d: %s, want %d", i, r, want)
+		}
+	}
+	const strangers = 6
+	for i := range strangers {
+		c := env.Credential(fmt.Sprintf("no-such-tenant-%d-%s", i, opsRandomHex(t, 4)), "x-"+opsRandomHex(t, 12))
+		sc := p.Client(c, nil)
+		if r := opsGet(sc, fmt.Sprintf("http://m.test:%d/", origin.Port)); r.Status != http.StatusProxyAuthRequired {
+			t.Fatalf("unknown tenant %d: %s", i, r)
+		}
+		sc.CloseIdleConnections()
+	}
+	// A tunnel, open while scraped.
+	conn, resp, body, err := opsConnect(p.ProxyAddr, acme, fmt.Sprintf("tls.m.test:%d", tlsOrigin.Port))
+	if err != nil || conn == nil {
+		t.Fatalf("CONNECT: %v %v %.200q", err, resp != nil, body)
+	}
+	tc, err := opsTLS(conn, pki.ClientConfig("tls.m.test"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := opsGetInside(tc, bufio.NewReader(tc), "tls.m.test", "/t"); r.Status != 200 {
+		t.Fatalf("inside the tunnel: %s", r)
+	}
+	m := opsScrape(t, p)
+	if got := m.Get("sluice_tunnels_active"); got != 1 {
+		t.Errorf("sluice_tunnels_active = %v with one tunnel open", got)
+	}
+	tc.Close()
+	m = opsWaitMetrics(t, p, "the tunnel to close", func(m opsMetrics) bool { return m.Get("sluice_tunnels_active") == 0 })
+
+	// Reloads: one broken, one good.
+	before := m
+	if err := os.WriteFile(p.ConfigPath, []byte(cfg+"bogus_key: 1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	opsWaitMetrics(t, p, "failed reload", func(m opsMetrics) bool { return opsReloads(m, "failed") == opsReloads(before, "failed")+1 })
+	if err := os.WriteFile(p.ConfigPath, []byte(cfg+"# touched\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	m = opsWaitMetrics(t, p, "good reload", func(m opsMetrics) bool { return opsReloads(m, "ok") == opsReloads(before, "ok")+1 })
+
+	want := []struct {
+		labels []string
+		value  float64
+	}{
+		{[]string{"tenant", "acme", "decision", "allow", "reason", "allowed"}, gets + posts + 1}, // + the (spliced) tunnel, counted when it closes
+		{[]string{"tenant", "acme", "decision", "deny", "reason", "not_allowlisted"}, denied},
+		{[]string{"tenant", "slowpoke", "decision", "allow", "reason", "allowed"}, 1},
+		{[]string{"tenant", "slowpoke", "decision", "deny", "reason", "rate_limited"}, 2},
+		{[]string{"tenant", "unknown", "decision", "deny", "reason", "auth_invalid"}, strangers},
+	}
+	for _, w := range want {
+		if got := m.Get("sluice_requests_total", w.labels...); got != w.value {
+			t.Errorf("sluice_requests_total%v = %v, want %v", w.labels, got, w.value)
+		}
+	}
+	if got := m.Get("sluice_limit_refusals_total", "tenant", "slowpoke", "limit", "rate"); got != 2 {
+		t.Errorf("sluice_limit_refusals_total{slowpoke,rate} = %v, want 2", got)
+	}
+	// Bytes: plain requests count body bytes exactly; the tunnel counts
+	// what crossed it, as its audit record says.
+	recs := p.Records(t)
+	var tunIn, tunOut int64
+	for _, r := range recs {
+		if r.Kind == audit.KindTunnel {
+			tunIn += r.BytesIn
+			tunOut += r.BytesOut
+		}
+	}
+	if tunIn == 0 || tunOut == 0 {
+		t.Errorf("tunnel records count in=%d out=%d", tunIn, tunOut)
+	}
+	// The request inside the tunnel is a plain (not intercepted) one here,
+	// so only the tunnel's raw bytes count.
+	if got := m.Get("sluice_bytes_total", "tenant", "acme", "direction", "ingress"); got != float64(down+tunOut) {
+		t.Errorf("sluice_bytes_total{acme,ingress} = %v, want %d (bodies %d + tunnel %d)", got, down+tunOut, down, tunOut)
+	}
+	if got := m.Get("sluice_bytes_total", "tenant", "acme", "direction", "egress"); got != float64(up+tunIn) {
+		t.Errorf("sluice_bytes_total{acme,egress} = %v, want %d (bodies %d + tunnel %d)", got, up+tunIn, up, tunIn)
+	}
+	// Label cardinality: only configured tenants and "unknown".
+	for v := range m.LabelValues("sluice_", "tenant") {
+		if v != "acme" && v != "slowpoke" && v != "unknown" {
+			t.Errorf("a metric carries tenant label %q, which is not in the config", v)
+		}
+	}
+	if !strings.Contains(m.text, "sluice_request_duration_seconds_bucket") {
+		t.Error("/metrics has no request duration histogram")
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Readiness.
+
+func TestE2EOpsReadyz(t *testing.T) {
+	t.Run("stale file secret", func(t *testing.T) {
+		env := newE2EEnv(t)
+		secretsPath := env.Path("secrets.yaml")
+		value := "sk-ready-" + opsRandomHex(t, 16)
+		env.MarkSecret(value)
+		if err := os.WriteFile(secretsPath, []byte("api: "+value+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		cfg := fmt.Sprintf(opsHeader, "5s") + `broker:
+  refresh: 200ms
+  file:
+    path: secrets.yaml
+secrets:
+  - name: api
+    source: file
+    hosts: [api.test]
+    max_staleness: 1s
+tenants:
+  - id: acme
+    allow:
+      - host: api.test
+`
+		p := env.StartSluice(cfg, sluiceOptions{})
+		if st, body, err := opsAdminGet(p, "/readyz"); err != nil || st != 200 {
+			t.Fatalf("/readyz with a fresh secret: %d %q %v", st, body, err)
+		}
+		// A secrets file others may read is refused by the file source, so
+		// refreshes fail from now on and the cached value ages.
+		if err := os.Chmod(secretsPath, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		waitReady(t, p, http.StatusServiceUnavailable, "api")
+		if st, _, _ := opsAdminGet(p, "/healthz"); st != 200 {
+			t.Errorf("/healthz while not ready: %d (liveness must not follow readiness)", st)
+		}
+		if err := os.Chmod(secretsPath, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		waitReady(t, p, http.StatusOK, "ready")
+	})
+
+	t.Run("audit sink failing", func(t *testing.T) {
+		env := newE2EEnv(t)
+		dns := startTestDNS(t, map[string][]string{"ok.test": {"127.0.0.1"}})
+		origin := startOpsOrigin(t, nil)
+		cred := env.StaticCredential("acme", "acme-ci")
+		cfg := fmt.Sprintf(opsHeader, "5s") + fmt.Sprintf(`tenants:
+  - id: acme
+%s    allow_private_cidrs: [127.0.0.0/8]
+    allow:
+      - host: ok.test
+        ports: [%d]
+`, opsCred(cred), origin.Port)
+		// Every write to /dev/full fails with ENOSPC.
+		p := env.StartSluice(cfg, sluiceOptions{Resolver: dns.Addr, Args: []string{"--audit", "/dev/full"}})
+		if st, body, err := opsAdminGet(p, "/readyz"); err != nil || st != 200 {
+			t.Fatalf("/readyz before anything was written: %d %q %v", st, body, err)
+		}
+		cl := p.Client(cred, nil)
+		defer cl.CloseIdleConnections()
+		u := fmt.Sprintf("http://ok.test:%d/", origin.Port)
+		if r := opsGet(cl, u); r.Err == nil && r.Status == 200 && string(r.Body) == "ok /\n" {
+			t.Errorf("a response was completed although its audit record could not be written")
+		}
+		waitReady(t, p, http.StatusServiceUnavailable, "audit")
+		before := origin.requests.Load()
+		r := opsGet(cl, u)
+		checkDenial(t, "request while the audit log fails", &http.Response{StatusCode: r.Status, Header: r.Header}, r.Body,
+			http.StatusServiceUnavailable, "audit_unavailable")
+		if origin.requests.Load() != before {
+			t.Error("a request reached the origin while the audit log was failing")
+		}
+	})
+}
+
+// waitReady polls /readyz (bounded) until it answers status with a body
+// containing substr.
+func waitReady(t *testing.T, p *sluiceProc, status int, substr string) {
+	t.Helper()
+	deadline := time.Now().Add(e2eTimeout)
+	for {
+		st, body, err := opsAdminGet(p, "/readyz")
+		if err == nil && st == status && strings.Contains(body, substr) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/readyz: %d %q (%v), want %d containing %q", st, body, err, status, substr)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Graceful shutdown.
+
+func TestE2EOpsGracefulShutdown(t *testing.T) {
+	env := newE2EEnv(t)
+	pki := newTestPKI(t, env.Dir)
+	dns := startTestDNS(t, map[string][]string{"app.test": {"127.0.0.1"}, "tls.test": {"127.0.0.1"}})
+	origin := startOpsOrigin(t, nil)
+	tlsOrigin := startOpsOrigin(t, pki.ServerConfig(t, "tls.test"))
+	cred := env.StaticCredential("acme", "acme-ci")
+	const shutdownTimeout = 5 * time.Second
+	cfg := fmt.Sprintf(opsHeader, shutdownTimeout.String()) + fmt.Sprintf(`tenants:
+  - id: acme
+%s    allow_private_cidrs: [127.0.0.0/8]
+    allow:
+      - id: app
+        host: app.test
+        ports: [%d]
+      - id: tls
+        host: tls.test
+        ports: [%d]
+`, opsCred(cred), origin.Port, tlsOrigin.Port)
+	p := env.StartSluice(cfg, sluiceOptions{Resolver: dns.Addr, UpstreamCA: pki.CAFile})
+
+	// An idle spliced tunnel that never closes by itself: shutdown must cut
+	// it at the deadline and still record it.
+	conn, resp, body, err := opsConnect(p.ProxyAddr, cred, fmt.Sprintf("tls.test:%d", tlsOrigin.Port))
+	if err != nil || conn == nil {
+		t.Fatalf("CONNECT: %v %v %.200q", err, resp != nil, body)
+	}
+	tunnel, err := opsTLS(conn, pki.ClientConfig("tls.test"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tunnel.Close()
+	tbr := bufio.NewReader(tunnel)
+	if r := opsGetInside(tunnel, tbr, "tls.test", "/t"); r.Status != 200 {
+		t.Fatalf("inside the tunnel: %s", r)
+	}
+
+	// Background load: fast requests until the proxy stops answering.
+	deadline0 := time.Now().Add(e2eTimeout)
+	type tally struct{ ok, refused, failed int }
+	var mu sync.Mutex
+	var load tally
+	var refusedIDs, failures []string
+	stopLoad := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 3 {
+		wg.Go(func() {
+			c := p.Client(cred, nil)
+			defer c.CloseIdleConnections()
+			for i := 0; i < 5000; i++ {
+				select {
+				case <-stopLoad:
+					return
+				default:
+				}
+				r := opsGet(c, fmt.Sprintf("http://app.test:%d/fast", origin.Port))
+				mu.Lock()
+				switch {
+				case r.Err == nil && r.Status == 200:
+					load.ok++
+				case r.Err == nil && r.Status == http.StatusServiceUnavailable && r.Header.Get("X-Sluice-Reason") == "shutting_down":
+					load.refused++
+					refusedIDs = append(refusedIDs, r.Header.Get("X-Sluice-Request-Id"))
+				default:
+					load.failed++
+					if len(failures) < 5 {
+						failures = append(failures, r.String())
+					}
+				}
+				mu.Unlock()
+				if r.Err != nil {
+					return // the listener is gone
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		})
+	}
+
+	// Let the load run a little before the slow requests start.
+	for {
+		mu.Lock()
+		n := load.ok
+		mu.Unlock()
+		if n >= 60 || time.Now().After(deadline0) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+
+	// In-flight slow requests, each on its own connection.
+	const slowN = 8
+	slowRes := make([]opsResult, slowN)
+	var slowWG sync.WaitGroup
+	for i := range slowN {
+		slowWG.Go(func() {
+			c := p.Client(cred, nil)
+			defer c.CloseIdleConnections()
+			slowRes[i] = opsGet(c, fmt.Sprintf("http://app.test:%d/slow?ms=2000", origin.Port))
+		})
+	}
+	deadline := time.Now().Add(e2eTimeout)
+	for origin.inflight.Load() < slowN {
+		if time.Now().After(deadline) {
+			t.Fatalf("only %d slow requests reached the origin", origin.inflight.Load())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+
+	// SIGTERM (Stop requires exit status 0).
+	stopped := make(chan time.Duration, 1)
+	sigAt := time.Now()
+	go func() {
+		p.Stop(t)
+		stopped <- time.Since(sigAt)
+	}()
+	// New connections are refused while the slow requests are still running.
+	refusedAt := time.Duration(-1)
+	for time.Since(sigAt) < 5*time.Second {
+		c, err := net.DialTimeout("tcp", p.ProxyAddr, time.Second)
+		if err != nil {
+			if errors.Is(err, syscall.ECONNREFUSED) {
+				refusedAt = time.Since(sigAt)
+				break
+			}
+		} else {
+			c.Close()
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	stillRunning := origin.inflight.Load()
+	if refusedAt < 0 {
+		t.Error("the proxy listener still accepted connections 5 s after SIGTERM")
+	} else if stillRunning == 0 {
+		t.Errorf("new connections were refused only %v after SIGTERM, after the in-flight requests had ended", refusedAt)
+	}
+	slowWG.Wait()
+	for i, r := range slowRes {
+		if r.Err != nil || r.Status != 200 || string(r.Body) != "slow done\n" {
+			t.Errorf("in-flight request %d across shutdown: %s", i, r)
+		}
+	}
+	var took time.Duration
+	select {
+	case took = <-stopped:
+	case <-time.After(e2eTimeout + 5*time.Second):
+		t.Fatal("sluice did not exit")
+	}
+	close(stopLoad)
+	wg.Wait()
+	t.Logf("SIGTERM: listener refused after %v with %d requests in flight; exit after %v (shutdown_timeout %v); load: %+v %q",
+		refusedAt.Round(time.Millisecond), stillRunning, took.Round(time.Millisecond), shutdownTimeout, load, failures)
+	// The idle tunnel holds the drain open until the deadline; then it is
+	// cut and the process exits promptly.
+	if took > shutdownTimeout+3*time.Second {
+		t.Errorf("exit took %v, shutdown_timeout is %v", took, shutdownTimeout)
+	}
+	if r := opsGetInside(tunnel, tbr, "tls.test", "/after"); r.Err == nil {
+		t.Errorf("the tunnel still answered after sluice exited: %s", r)
+	}
+
+	// Every response received has its record, and the log verifies.
+	recs := p.Records(t)
+	slowRecs := opsRecordsWhere(recs, func(r audit.Record) bool { return r.Path == "/slow" && r.Decision == "allow" && r.Status == 200 })
+	if len(slowRecs) != slowN {
+		t.Errorf("audit: %d records of in-flight requests, want %d", len(slowRecs), slowN)
+	}
+	fastRecs := opsRecordsWhere(recs, func(r audit.Record) bool { return r.Path == "/fast" && r.Decision == "allow" })
+	// A record is written before the last byte of its response, so every
+	// 200 a client got has one; a request cut off by the shutdown may have
+	// one too.
+	if len(fastRecs) < load.ok || len(fastRecs) > load.ok+load.failed {
+		t.Errorf("audit: %d records of fast requests; clients got %d complete responses and %d failures", len(fastRecs), load.ok, load.failed)
+	}
+	ids := map[string]bool{}
+	for _, r := range recs {
+		ids[r.ID] = true
+	}
+	for _, id := range refusedIDs {
+		if !ids[id] {
+			t.Errorf("refusal %s has no audit record", id)
+		}
+	}
+	tunnels := opsRecordsWhere(recs, func(r audit.Record) bool { return r.Kind == audit.KindTunnel })
+	if len(tunnels) != 1 || tunnels[0].BytesIn == 0 || tunnels[0].BytesOut == 0 {
+		t.Errorf("audit: tunnel records %s", describeRecords(tunnels))
+	}
+	if out, stderr, code := runSluice(t, "", "logs", "verify", p.AuditPath); code != 0 {
+		t.Errorf("sluice logs verify: exit %d\n%s%s", code, out, stderr)
+	}
+}
