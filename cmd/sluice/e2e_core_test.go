@@ -568,6 +568,27 @@ func TestE2EConnect(t *testing.T) {
 	w := newCoreWorld(t)
 	target := fmt.Sprintf("exact.test:%d", w.tls.Port)
 
+	// An accepted CONNECT writes two records: its decision, before the
+	// client hears 200 (an open tunnel is always on record), and the
+	// tunnel's outcome and bytes when it closes.
+	expectTunnel := func(t *testing.T, mark int, tenant, rule, host string, port int, outcome wantRecord) audit.Record {
+		t.Helper()
+		outcome.Kind, outcome.Tenant, outcome.Rule, outcome.Host, outcome.Port = audit.KindTunnel, tenant, rule, host, port
+		recs := w.p.ExpectRecords(t, mark,
+			wantRecord{Decision: "allow", Reason: "allowed", Rule: rule, Tenant: tenant, Host: host, Port: port, Status: 200},
+			outcome)
+		if len(recs) != 2 {
+			return audit.Record{}
+		}
+		if recs[0].Method != http.MethodConnect {
+			t.Errorf("decision record method %q, want CONNECT", recs[0].Method)
+		}
+		if recs[1].ID != recs[0].ID && recs[1].TunnelID != recs[0].ID {
+			t.Errorf("tunnel record %s is not linked to its decision record %s", recs[1].ID, recs[0].ID)
+		}
+		return recs[1]
+	}
+
 	t.Run("spliced tunnel", func(t *testing.T) {
 		mark := w.p.AuditMark(t)
 		conn, resp, body := w.p.Connect(t, w.acme, target)
@@ -592,8 +613,8 @@ func TestE2EConnect(t *testing.T) {
 			t.Errorf("origin echo %q (%v)", r.Body, err)
 		}
 		tc.Close()
-		rec := w.p.ExpectRecord(t, mark, wantRecord{Kind: audit.KindTunnel, Decision: "allow", Reason: "allowed", Rule: "acme-exact",
-			Tenant: "acme", Host: "exact.test", Port: w.tls.Port, Status: 200})
+		rec := expectTunnel(t, mark, "acme", "acme-exact", "exact.test", w.tls.Port,
+			wantRecord{Decision: "allow", Reason: "allowed", Status: 200})
 		if rec.BytesIn == 0 || rec.BytesOut == 0 {
 			t.Errorf("tunnel record counts bytes in=%d out=%d", rec.BytesIn, rec.BytesOut)
 		}
@@ -616,8 +637,8 @@ func TestE2EConnect(t *testing.T) {
 			t.Fatal("TLS handshake with a mismatched SNI completed through the tunnel")
 		}
 		tc.Close()
-		w.p.ExpectRecord(t, mark, wantRecord{Kind: audit.KindTunnel, Decision: "deny", Reason: "sni_mismatch", Rule: "acme-exact",
-			Tenant: "acme", Host: "exact.test", Port: w.tls.Port, Status: 403})
+		expectTunnel(t, mark, "acme", "acme-exact", "exact.test", w.tls.Port,
+			wantRecord{Decision: "deny", Reason: "sni_mismatch", Status: 403})
 		if got := w.tls.Hellos() - hellos; got != 0 {
 			t.Errorf("origin received %d ClientHellos from a refused tunnel", got)
 		}
@@ -639,8 +660,8 @@ func TestE2EConnect(t *testing.T) {
 			t.Fatal("TLS handshake without SNI completed through the tunnel")
 		}
 		tc.Close()
-		w.p.ExpectRecord(t, mark, wantRecord{Kind: audit.KindTunnel, Decision: "deny", Reason: "sni_missing", Rule: "acme-exact",
-			Tenant: "acme", Host: "exact.test", Port: w.tls.Port, Status: 403})
+		expectTunnel(t, mark, "acme", "acme-exact", "exact.test", w.tls.Port,
+			wantRecord{Decision: "deny", Reason: "sni_missing", Status: 403})
 		if got := w.tls.Hellos() - hellos; got != 0 {
 			t.Errorf("origin received %d ClientHellos", got)
 		}
@@ -672,14 +693,20 @@ func TestE2EConnect(t *testing.T) {
 	}
 
 	t.Run("CONNECT to a guarded address", func(t *testing.T) {
+		accepts := w.origin.Accepts()
+		defer func() {
+			if w.origin.Accepts() != accepts {
+				t.Error("the loopback listener accepted a connection for a tenant without exceptions")
+			}
+		}()
 		mark := w.p.AuditMark(t)
 		conn, resp, body := w.p.Connect(t, w.strict, fmt.Sprintf("loop.guard.test:%d", w.origin.Port))
 		if conn != nil {
 			t.Fatal("CONNECT to a loopback address was accepted for a tenant without exceptions")
 		}
 		checkDenial(t, "CONNECT loop.guard.test", resp, body, http.StatusForbidden, "destination_not_permitted")
-		w.p.ExpectRecord(t, mark, wantRecord{Kind: audit.KindTunnel, Decision: "deny", Reason: "destination_not_permitted",
-			Rule: "strict-guard", Tenant: "strict", Host: "loop.guard.test", Status: 403})
+		expectTunnel(t, mark, "strict", "strict-guard", "loop.guard.test", w.origin.Port,
+			wantRecord{Decision: "deny", Reason: "destination_not_permitted", Status: 403})
 	})
 }
 

@@ -625,6 +625,20 @@ func (p *sluiceProc) ExpectRecord(t *testing.T, mark int, want wantRecord) audit
 	return r
 }
 
+// ExpectRecords is ExpectRecord for a case that writes several records,
+// in order: exactly len(wants) after mark.
+func (p *sluiceProc) ExpectRecords(t *testing.T, mark int, wants ...wantRecord) []audit.Record {
+	t.Helper()
+	recs := p.WaitRecords(t, mark, len(wants))
+	if len(recs) != len(wants) {
+		t.Errorf("want exactly %d audit records, got %d:\n%s", len(wants), len(recs), describeRecords(recs))
+	}
+	for i := range min(len(recs), len(wants)) {
+		checkRecord(t, recs[i], wants[i])
+	}
+	return recs
+}
+
 func checkRecord(t *testing.T, r audit.Record, want wantRecord) {
 	t.Helper()
 	kind := want.Kind
