@@ -322,6 +322,12 @@ func (s *Server) writeInner(req *http.Request, resp *http.Response, bw *bufio.Wr
 	if req.Close {
 		resp.Close = true
 	}
+	if resp.Body != nil {
+		// http.Response.Write never flushes between body chunks: without
+		// this, a streamed response (server-sent events) would sit in bw
+		// until the origin finished it.
+		resp.Body = &flushBeforeRead{ReadCloser: resp.Body, bw: bw}
+	}
 	if err := resp.Write(bw); err != nil {
 		return false
 	}
@@ -339,6 +345,23 @@ func (s *Server) writeInner(req *http.Request, resp *http.Response, bw *bufio.Wr
 		_ = req.Body.Close()
 	}
 	return !resp.Close
+}
+
+// flushBeforeRead sends what has been written so far to the client before
+// each read of the upstream body may block, so nothing the origin already
+// sent waits in a buffer for bytes that have not arrived.
+type flushBeforeRead struct {
+	io.ReadCloser
+	bw *bufio.Writer
+}
+
+func (f *flushBeforeRead) Read(p []byte) (int, error) {
+	if f.bw.Buffered() > 0 {
+		if err := f.bw.Flush(); err != nil {
+			return 0, err
+		}
+	}
+	return f.ReadCloser.Read(p)
 }
 
 func bodyAllowed(status int) bool {
