@@ -14,9 +14,9 @@ const scrubChunk = 32 << 10
 
 // Scrubber is an io.ReadCloser that replaces every occurrence of any of its
 // secrets in a streamed body, including occurrences split across reads. It
-// never holds more than one read chunk plus the longest secret minus one byte:
-// that tail is the only part of the stream that can still be the start of a
-// secret completed by the next read.
+// never holds more than one read chunk plus the longest secret minus one byte,
+// and between reads it holds back only a tail that is the start of a secret
+// the next read could complete, so a streamed body is not delayed.
 //
 // Where occurrences overlap, the leftmost wins, and of several secrets
 // starting at the same byte the longest wins, so a secret that is a prefix of
@@ -144,8 +144,12 @@ func (s *Scrubber) scan(final bool) {
 	buf := s.buf
 	limit := len(buf)
 	if !final {
-		// A match starting at or after limit might be longer than what we hold.
-		limit = len(buf) - (s.maxLen - 1)
+		// A match starting at or after limit might be longer than what we
+		// hold. Hold back only a tail that is still the start of a secret,
+		// not a fixed maxLen-1 bytes: a streamed body (server-sent events)
+		// would otherwise wait for the origin's next event before the end
+		// of the current one reached the client.
+		limit = s.undecided(buf)
 	}
 	for i := range s.next {
 		s.next[i] = -2 // unknown
@@ -175,6 +179,20 @@ func (s *Scrubber) scan(final bool) {
 		pos = best + bestLen
 	}
 	s.ready = max(pos, limit, 0)
+}
+
+// undecided returns where the tail of buf that is a proper prefix of some
+// secret begins (the earliest such position), or len(buf) if there is none.
+func (s *Scrubber) undecided(buf []byte) int {
+	for i := max(0, len(buf)-(s.maxLen-1)); i < len(buf); i++ {
+		tail := buf[i:]
+		for _, sec := range s.secrets {
+			if len(tail) < len(sec) && bytes.HasPrefix(sec, tail) {
+				return i
+			}
+		}
+	}
+	return len(buf)
 }
 
 // ScrubHeader removes secrets from h in place and reports whether it changed

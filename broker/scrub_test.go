@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 	"testing/iotest"
+	"time"
 )
 
 // refScrub is the specification the streaming Scrubber must match: scan left
@@ -272,5 +273,46 @@ func BenchmarkScrubber(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// TestScrubberDoesNotHoldBackAStream: between reads only a tail that can
+// still become a secret is held back, so each event of a streamed body
+// reaches the client without waiting for the next one.
+func TestScrubberDoesNotHoldBackAStream(t *testing.T) {
+	pr, pw := io.Pipe()
+	t.Cleanup(func() { pw.Close() })
+	s := NewScrubber(pr, [][]byte{[]byte("supersecretvalue")}, []byte("[R]"))
+	read := func(write string) string {
+		t.Helper()
+		go func() { _, _ = pw.Write([]byte(write)) }()
+		got := make(chan string, 1)
+		go func() {
+			buf := make([]byte, 256)
+			n, _ := s.Read(buf)
+			got <- string(buf[:n])
+		}()
+		select {
+		case g := <-got:
+			return g
+		case <-time.After(5 * time.Second):
+			t.Fatalf("Read held back %q waiting for more input", write)
+			return ""
+		}
+	}
+	if got := read("data: one\n\n"); got != "data: one\n\n" {
+		t.Errorf("first event: %q", got)
+	}
+	// "sup" may be the start of the secret: only it waits.
+	if got := read("data: two sup"); got != "data: two " {
+		t.Errorf("second read: %q", got)
+	}
+	go func() {
+		_, _ = pw.Write([]byte("ersecretvalue\n\n"))
+		pw.Close()
+	}()
+	rest, err := io.ReadAll(s)
+	if err != nil || string(rest) != "[R]\n\n" || !s.Scrubbed() {
+		t.Errorf("rest %q, err %v, scrubbed %v", rest, err, s.Scrubbed())
 	}
 }
