@@ -203,6 +203,7 @@ type reflectOrigin struct {
 	mu      sync.Mutex
 	seen    []seenRequest
 	wsLines []string
+	release chan struct{} // .../stream waits for it between its two events
 }
 
 func startReflectOrigin(t *testing.T, pki *testPKI, names ...string) *reflectOrigin {
@@ -211,7 +212,7 @@ func startReflectOrigin(t *testing.T, pki *testPKI, names ...string) *reflectOri
 	if err != nil {
 		t.Fatal(err)
 	}
-	o := &reflectOrigin{Addr: ln.Addr().String(), Port: ln.Addr().(*net.TCPAddr).Port}
+	o := &reflectOrigin{Addr: ln.Addr().String(), Port: ln.Addr().(*net.TCPAddr).Port, release: make(chan struct{})}
 	var l net.Listener = &countingListener{Listener: ln, n: &o.accepts}
 	if pki != nil {
 		l = tls.NewListener(l, pki.ServerConfig(t, names...))
@@ -284,6 +285,20 @@ func (o *reflectOrigin) serve(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.WriteString(w, "end\n")
 	case strings.HasSuffix(r.URL.Path, "/ws"):
 		o.upgrade(w, r)
+	case strings.HasSuffix(r.URL.Path, "/stream"):
+		// Server-sent events: the first event must reach the client
+		// before the second exists. The first carries the reflected value,
+		// so a scrubber is in the path when the request had a secret.
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, "data: first "+strings.Join(values, " | ")+"\n\n")
+		w.(http.Flusher).Flush()
+		select {
+		case <-o.release:
+		case <-r.Context().Done():
+			return
+		case <-time.After(e2eTimeout):
+		}
+		_, _ = io.WriteString(w, "data: second\n\n")
 	default:
 		_, _ = io.WriteString(w, "ok\n")
 	}
@@ -1080,5 +1095,79 @@ func TestE2EMITMWebSocket(t *testing.T) {
 	tun := waitRecordWhere(t, p, mark, "tunnel", func(r audit.Record) bool { return r.Kind == audit.KindTunnel })
 	if tun.ID != rec.TunnelID || !tun.Intercepted || tun.BytesIn < int64(len(big)) || tun.BytesOut < int64(len(big)) {
 		t.Errorf("tunnel record id=%q (request's %q) intercepted=%v in=%d out=%d", tun.ID, rec.TunnelID, tun.Intercepted, tun.BytesIn, tun.BytesOut)
+	}
+}
+
+// TestE2EMITMStreaming: a streamed response (server-sent events, as LLM
+// APIs use) reaches the client as it arrives, inside an intercepted tunnel,
+// with and without a secret (and so a scrubber) in the path.
+func TestE2EMITMStreaming(t *testing.T) {
+	w := newMITMWorld(t)
+	w.start(t)
+	for _, path := range []string{"/public/stream", "/v1/stream"} {
+		t.Run(path, func(t *testing.T) {
+			first := make(chan string, 1)
+			done := make(chan error, 1)
+			req := newRequest(t, http.MethodGet, w.apiURL(path))
+			go func() {
+				cl := w.client()
+				defer cl.CloseIdleConnections()
+				resp, err := cl.Do(req)
+				if err != nil {
+					w.saw.text(err.Error())
+					done <- err
+					return
+				}
+				defer resp.Body.Close()
+				br := bufio.NewReader(resp.Body)
+				var ev strings.Builder
+				for !strings.HasSuffix(ev.String(), "\n\n") {
+					line, err := br.ReadString('\n')
+					ev.WriteString(line)
+					if err != nil {
+						w.saw.text(ev.String())
+						done <- err
+						return
+					}
+				}
+				w.saw.text(ev.String())
+				first <- ev.String()
+				rest, err := io.ReadAll(br)
+				w.saw.response(resp, rest)
+				if err == nil && string(rest) != "data: second\n\n" {
+					err = fmt.Errorf("rest of the stream %q", rest)
+				}
+				done <- err
+			}()
+			// Liveness, not speed: the bound is far above any delay a
+			// working proxy adds, and the origin holds the second event
+			// back until the first has arrived.
+			select {
+			case ev := <-first:
+				if !strings.HasPrefix(ev, "data: first") {
+					t.Errorf("first event %q", ev)
+				}
+				if strings.Contains(ev, w.tok) {
+					t.Error("the first event carried the secret to the client")
+				}
+			case err := <-done:
+				t.Fatalf("stream ended before the first event: %v", err)
+			case <-time.After(10 * time.Second):
+				t.Error("the first event did not reach the client while the origin held the stream open")
+			}
+			select {
+			case w.api.release <- struct{}{}:
+			case <-time.After(e2eTimeout):
+				t.Error("the origin never waited to send the second event")
+			}
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Errorf("stream: %v", err)
+				}
+			case <-time.After(e2eTimeout):
+				t.Fatal("stream did not end")
+			}
+		})
 	}
 }
