@@ -328,7 +328,11 @@ func (s *Server) writeInner(req *http.Request, resp *http.Response, bw *bufio.Wr
 		// until the origin finished it.
 		resp.Body = &flushBeforeRead{ReadCloser: resp.Body, bw: bw}
 	}
-	if err := resp.Write(bw); err != nil {
+	// writerOnly hides bw's ReadFrom: io.Copy would otherwise hand the body
+	// a slice of bw's own buffer to read into, and flushBeforeRead's Flush
+	// during that Read resets the buffer under it, so the client would get
+	// stale head bytes in place of the body.
+	if err := resp.Write(writerOnly{bw}); err != nil {
 		return false
 	}
 	if err := bw.Flush(); err != nil {
@@ -363,6 +367,9 @@ func (f *flushBeforeRead) Read(p []byte) (int, error) {
 	}
 	return f.ReadCloser.Read(p)
 }
+
+// writerOnly is an io.Writer and nothing more (no ReadFrom).
+type writerOnly struct{ io.Writer }
 
 func bodyAllowed(status int) bool {
 	return !(status >= 100 && status < 200) && status != http.StatusNoContent && status != http.StatusNotModified
