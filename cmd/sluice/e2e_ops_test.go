@@ -921,7 +921,7 @@ tenants:
 			t.Fatalf("%s: %v", s.name, r.Err)
 		}
 		if s.want == 200 {
-			if r.Status != 200 {
+			if r.Status != 200 || string(r.Body) != "ok /s\n" {
 				t.Errorf("%s: %s", s.name, r)
 			}
 			continue
@@ -1415,7 +1415,7 @@ tenants:
 	if r := opsGetInside(spliced, sbr, sHost, "/before"); r.Status != 200 {
 		t.Fatalf("spliced tunnel before reload: %s", r)
 	}
-	if r := opsGetInside(inspected, ibr, iHost, "/before"); r.Status != 200 {
+	if r := opsGetInside(inspected, ibr, iHost, "/before"); r.Status != 200 || string(r.Body) != "ok /before\n" {
 		t.Fatalf("intercepted tunnel before reload: %s", r)
 	}
 
@@ -1890,5 +1890,65 @@ func TestE2EOpsGracefulShutdown(t *testing.T) {
 	}
 	if out, stderr, code := runSluice(t, "", "logs", "verify", p.AuditPath); code != 0 {
 		t.Errorf("sluice logs verify: exit %d\n%s%s", code, out, stderr)
+	}
+}
+
+// TestE2EOpsReloadConfigMap updates the config the way a Kubernetes
+// ConfigMap volume does: the file is a symlink through "..data", and an
+// update swaps that symlink by rename. The file watch must see it (trigger
+// "change"), not only the slow poll.
+func TestE2EOpsReloadConfigMap(t *testing.T) {
+	env := newE2EEnv(t)
+	dns := startTestDNS(t, map[string][]string{"always.test": {"127.0.0.1"}, "a-only.test": {"127.0.0.1"}, "b-only.test": {"127.0.0.1"}})
+	origin := startOpsOrigin(t, nil)
+	cred := env.StaticCredential("acme", "acme-ci")
+	mount := env.Path("configmap")
+	publish := func(n int, content string) {
+		t.Helper()
+		dir := fmt.Sprintf("..2026_01_01_00_00_%02d.%d", n, n)
+		if err := os.MkdirAll(mount+"/"+dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(mount+"/"+dir+"/sluice.yaml", []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(dir, mount+"/..data_tmp"); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(mount+"/..data_tmp", mount+"/..data"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.MkdirAll(mount, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	publish(1, reloadConfig("a", cred, origin.Port, "127.0.0.0/8", ""))
+	if err := os.Symlink("..data/sluice.yaml", mount+"/sluice.yaml"); err != nil {
+		t.Fatal(err)
+	}
+	p := env.StartSluice(reloadConfig("a", cred, origin.Port, "127.0.0.0/8", ""),
+		sluiceOptions{Resolver: dns.Addr, Args: []string{"--config", mount + "/sluice.yaml"}})
+	cl := p.Client(cred, nil)
+	defer cl.CloseIdleConnections()
+	u := func(host string) string { return fmt.Sprintf("http://%s:%d/", host, origin.Port) }
+	if r := opsGet(cl, u("a-only.test")); r.Status != 200 {
+		t.Fatalf("version a before the update: %s", r)
+	}
+	publish(2, reloadConfig("b", cred, origin.Port, "127.0.0.0/8", ""))
+	deadline := time.Now().Add(e2eTimeout)
+	for !strings.Contains(p.Stderr(), `"msg":"policy reloaded","trigger"`) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no reload after the ConfigMap update:\n%s", tail(p.Stderr(), 3000))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !strings.Contains(p.Stderr(), `"msg":"policy reloaded","trigger":"change"`) {
+		t.Errorf("the ConfigMap update was picked up by polling, not by the file watch:\n%s", tail(p.Stderr(), 2000))
+	}
+	if r := opsGet(cl, u("b-only.test")); r.Status != 200 {
+		t.Errorf("version b after the update: %s", r)
+	}
+	if r := opsGet(cl, u("always.test")); r.Status != 200 {
+		t.Errorf("always.test after the update: %s", r)
 	}
 }

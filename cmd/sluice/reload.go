@@ -81,7 +81,7 @@ func (r *reloader) run(ctx context.Context) {
 				r.log.Warn("config file watch ended; relying on SIGHUP and polling")
 				continue
 			}
-			if filepath.Base(ev.Name) == base {
+			if name := filepath.Base(ev.Name); name == base || name == kubeDataLink {
 				if pending != "sighup" {
 					pending = "change"
 				}
@@ -104,6 +104,11 @@ func (r *reloader) run(ctx context.Context) {
 		}
 	}
 }
+
+// kubeDataLink is how a Kubernetes ConfigMap volume publishes an update: it
+// swaps the "..data" symlink in the mounted directory, and the config file
+// (itself a symlink through ..data) sees no event of its own.
+const kubeDataLink = "..data"
 
 func (r *reloader) reload(ctx context.Context, trigger string) {
 	data, err := os.ReadFile(r.path)
