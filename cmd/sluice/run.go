@@ -176,18 +176,18 @@ See docs/launcher.md.`,
 	return cmd
 }
 
-// newSandboxInitCmd is the hidden entry point of the sandbox's init: the
-// launcher re-executes this binary with it inside the new namespaces.
+// newSandboxInitCmd names the hidden argument the launcher re-executes this
+// binary with. The sandbox's init never gets here: package nsinit runs it
+// from its package initialisation, before the rest of sluice is initialised,
+// when the process is PID 1 of a new pid namespace. Reaching this command
+// means someone typed it, so it refuses.
 func newSandboxInitCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:                sandbox.InitCommand,
 		Hidden:             true,
 		DisableFlagParsing: true,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if code := sandbox.Init(cmd.Context()); code != 0 {
-				return &exitError{code: code}
-			}
-			return nil
+		RunE: func(*cobra.Command, []string) error {
+			return &exitError{code: sandbox.ExitLaunchFailed, msg: sandbox.InitCommand + " is the sandbox's init, started by `sluice run`; it is not a command"}
 		},
 	}
 }

@@ -19,7 +19,13 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/sluicehq/sluice/internal/sandbox/nsinit"
 )
+
+// InitCommand is the hidden argument the launcher re-executes its binary
+// with; package nsinit takes the process over when it sees it.
+const InitCommand = nsinit.Command
 
 // DefaultHostID is the host uid and gid the sandbox's root is mapped to when
 // the launcher runs as root: an unprivileged id, so that even a process that
@@ -30,8 +36,6 @@ const DefaultHostID = 65534
 type Launcher struct {
 	// InitPath is the sluice binary to re-execute as the init; default /proc/self/exe.
 	InitPath string
-	// InitArgs follow argv[0]; default {InitCommand}.
-	InitArgs []string
 	Minter   TokenMinter
 	Recorder Recorder // optional
 	Logger   *slog.Logger
@@ -115,7 +119,7 @@ func readCABundle(path string) ([]byte, error) {
 // LandlockStatus describes what Landlock this kernel offers, for the
 // launch record written before the command starts.
 func LandlockStatus() string {
-	abi := landlockABI()
+	abi := nsinit.LandlockABI()
 	if abi < 1 {
 		return "unavailable"
 	}
@@ -185,6 +189,9 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 	res.Start = r.start
 	defer func() {
 		res.End = time.Now()
+		if r.l.Recorder == nil {
+			return
+		}
 		ev := r.event(EventRun)
 		ev.End, ev.ExitCode, ev.KilledBy = res.End, res.ExitCode, res.KilledBy
 		if res.Landlock != "" {
@@ -219,25 +226,21 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 	}
 	// Start the init first: its start-up overlaps the cgroup and credential
 	// work below. It waits for the config message before doing anything.
-	parentSock, childSock, err := socketpair()
+	parentSock, childSock, err := nsinit.Socketpair()
 	if err != nil {
 		return res, err
 	}
 	defer parentSock.Close()
-	ctl := conn{fd: int(parentSock.Fd())}
+	ctl := nsinit.Conn{FD: int(parentSock.Fd())}
 
 	initPath := r.l.InitPath
 	if initPath == "" {
 		initPath = "/proc/self/exe"
 	}
-	args := r.l.InitArgs
-	if args == nil {
-		args = []string{InitCommand}
-	}
 	uidMap, gidMap := r.l.idMaps()
 	cmd := &exec.Cmd{
 		Path:       initPath,
-		Args:       append([]string{"sluice-init"}, args...),
+		Args:       []string{nsinit.Argv0, nsinit.Command},
 		Env:        []string{}, // nothing of the launcher's environment crosses over
 		Stdin:      spec.Stdin,
 		Stdout:     spec.Stdout,
@@ -255,6 +258,16 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 			Setsid:     true,
 		},
 	}
+	initExited := true // nothing to stop until the init has started
+	var waitDone chan error
+	stopInit := func() {
+		if !initExited {
+			_ = cmd.Process.Kill()
+			<-waitDone
+			initExited = true
+		}
+	}
+	defer stopInit()
 	// The kernel sends the init's parent-death signal when the *thread* that
 	// forked it exits, and Go ends a thread whose locked goroutine returns.
 	// Fork from a thread this run holds until it is over, so no other code's
@@ -264,59 +277,43 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 	defer close(releaseThread)
 	go func() {
 		runtime.LockOSThread()
-		startErr <- cmd.Start()
+		err := cmd.Start()
+		childSock.Close()
+		startErr <- err
 		<-releaseThread
 		runtime.UnlockOSThread()
 	}()
-	err = <-startErr
-	childSock.Close()
-	if err != nil {
+	// While the kernel builds the namespaces and the init starts up, prepare
+	// the host side. The init waits for the config message before it does
+	// anything, and that is only sent once it is in its cgroup.
+	st, prepErr := r.prepareHost(ctx)
+	if st != nil {
+		defer func() {
+			if rerr := st.remove(); rerr != nil {
+				r.log.Error("removing sandbox state", "err", rerr)
+			}
+		}()
+	}
+	if r.limiter != nil {
+		defer func() {
+			stopInit()
+			r.limiter.kill()
+			if rerr := r.limiter.remove(context.Background()); rerr != nil {
+				r.log.Error("removing sandbox cgroups", "err", rerr)
+			}
+		}()
+	}
+	if err := <-startErr; err != nil {
 		return res, fmt.Errorf("starting sandbox init: %w", err)
 	}
-	initPID := cmd.Process.Pid
-	waitDone := make(chan error, 1)
+	initExited = false
+	waitDone = make(chan error, 1)
 	go func() { waitDone <- cmd.Wait() }()
-	initExited := false
-	stopInit := func() {
-		if !initExited {
-			_ = cmd.Process.Kill()
-			<-waitDone
-			initExited = true
-		}
-	}
-	defer stopInit()
-	if n, err := Sweep(ctx, r.l.stateRoot()); err != nil {
-		r.log.Warn("sweeping earlier sandboxes", "err", err)
-	} else if n > 0 {
-		r.log.Info("swept leftovers of crashed sandboxes", "count", n)
-	}
-	st, err := newState(r.l.stateRoot(), r.id)
-	if err != nil {
-		return res, err
-	}
-	defer func() {
-		if rerr := st.remove(); rerr != nil {
-			r.log.Error("removing sandbox state", "err", rerr)
-		}
-	}()
-	r.limiter, err = newLimiter(r.id, spec.Limits)
-	if err != nil {
-		return res, err
+	if prepErr != nil {
+		return res, prepErr
 	}
 	res.Mechanism = r.limiter.mechanism()
-	st.own.Cgroups = r.limiter.dirs()
-	if err := st.save(); err != nil {
-		r.limiter.remove(context.Background())
-		return res, err
-	}
-	defer func() {
-		stopInit()
-		r.limiter.kill()
-		if rerr := r.limiter.remove(context.Background()); rerr != nil {
-			r.log.Error("removing sandbox cgroups", "err", rerr)
-		}
-	}()
-
+	initPID := cmd.Process.Pid
 	st.own.InitPID, st.own.InitStart = initPID, procStart(initPID)
 	if err := st.save(); err != nil {
 		return res, err
@@ -330,7 +327,7 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 	if err != nil {
 		return res, fmt.Errorf("minting sandbox credential: %w", err)
 	}
-	cfg := &initConfig{
+	cfg := &nsinit.Config{
 		Hostname:        "sluice-" + r.id[3:11],
 		RootDir:         spec.RootDir,
 		Argv:            spec.Command,
@@ -344,17 +341,30 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 		MemoryBytes:     spec.Limits.MemoryBytes,
 		Pids:            spec.Limits.Pids,
 		AllowNoLandlock: spec.AllowNoLandlock,
+		WaitGo:          spec.Workspace != "",
+		Keep:            spec.KeepDir != "",
 	}
 	if cfg.Rlimits {
 		cfg.CPUSeconds = int64(spec.Limits.Timeout.Seconds()*max(spec.Limits.CPUs, 1)) + 1
 	}
 	token = ""
-	cfgFile, err := writeConfig(cfg)
+	cfgFile, err := nsinit.WriteConfig(cfg)
 	cfg.Env = nil
 	if err != nil {
 		return res, err
 	}
-	err = ctl.send(message{Type: msgConfig}, int(cfgFile.Fd()))
+	// The launch record comes before the command can start: without a
+	// workspace to copy in, the init goes straight from its setup to the
+	// command, with no further round trip.
+	if r.l.Recorder != nil {
+		err = r.record(ctx, r.event(EventLaunch))
+	}
+	if err != nil {
+		cfgFile.Close()
+		return res, err // fail closed: nothing runs unrecorded
+	}
+	r.launched = true
+	err = ctl.Send(nsinit.Message{Type: nsinit.MsgConfig}, int(cfgFile.Fd()))
 	cfgFile.Close()
 	if err != nil {
 		return res, err
@@ -363,7 +373,7 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 	msgs := make(chan received, 4)
 	go func() {
 		for {
-			m, fds, err := ctl.recv()
+			m, fds, err := ctl.Recv()
 			msgs <- received{m, fds, err}
 			if err != nil {
 				return
@@ -379,11 +389,11 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 			if m.err != nil {
 				return m, fmt.Errorf("sandbox init: %w", m.err)
 			}
-			if m.m.Type == msgError {
+			if m.m.Type == nsinit.MsgError {
 				return m, fmt.Errorf("sandbox init: %s", m.m.Error)
 			}
 			if m.m.Type != want {
-				closeFDs(m.fds)
+				nsinit.CloseFDs(m.fds)
 				return m, fmt.Errorf("sandbox init: unexpected %q message, want %q", m.m.Type, want)
 			}
 			return m, nil
@@ -392,12 +402,12 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 		}
 	}
 
-	m, err := next(msgReady)
+	m, err := next(nsinit.MsgReady)
 	if err != nil {
 		return res, err
 	}
 	if len(m.fds) != 1 {
-		closeFDs(m.fds)
+		nsinit.CloseFDs(m.fds)
 		return res, errors.New("sandbox init: ready without the relay socket")
 	}
 	lf := os.NewFile(uintptr(m.fds[0]), "sandbox-relay")
@@ -410,19 +420,15 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 	rl.serve(runCtx)
 	defer rl.close()
 
-	if spec.Workspace != "" {
+	if cfg.WaitGo {
 		if err := r.copyIn(initPID); err != nil {
 			return res, err
 		}
+		if err := ctl.Send(nsinit.Message{Type: nsinit.MsgGo}); err != nil {
+			return res, err
+		}
 	}
-	if err := r.record(ctx, r.event(EventLaunch)); err != nil {
-		return res, err // fail closed: nothing runs unrecorded
-	}
-	r.launched = true
-	if err := ctl.send(message{Type: msgGo}); err != nil {
-		return res, err
-	}
-	m, err = next(msgStarted)
+	m, err = next(nsinit.MsgStarted)
 	if err != nil {
 		return res, err
 	}
@@ -433,15 +439,18 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 
 	// The command runs. It ends by exiting, by the timeout, by the caller
 	// cancelling, or by the init dying (memory limit, kill).
-	var exited *message
+	var exited *nsinit.Message
 	select {
 	case m := <-msgs:
-		if m.err == nil && m.m.Type == msgExited {
+		if m.err == nil && m.m.Type == nsinit.MsgExited {
 			exited = &m.m
 		}
 	case <-runCtx.Done():
 	case <-waitDone:
 		initExited = true
+		// Without --keep the init exits right after reporting, so its
+		// "exited" may still be on its way through the reader goroutine.
+		exited = lastExited(msgs)
 	}
 	switch {
 	case exited != nil:
@@ -453,12 +462,15 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 			if err := r.copyOut(initPID); err != nil {
 				res.Message = "workspace not kept: " + err.Error()
 			}
+			_ = ctl.Send(nsinit.Message{Type: nsinit.MsgDone})
 		}
-		_ = ctl.send(message{Type: msgDone})
-		select {
-		case <-waitDone:
-			initExited = true
-		case <-time.After(5 * time.Second):
+		// The init exits by itself: at once, or after "done" with --keep.
+		if !initExited {
+			select {
+			case <-waitDone:
+				initExited = true
+			case <-time.After(5 * time.Second):
+			}
 		}
 	case ctx.Err() != nil:
 		res.ExitCode, res.KilledBy = 130, KilledBySignal
@@ -479,16 +491,32 @@ func (r *run) run(ctx context.Context) (res Result, err error) {
 	return res, nil
 }
 
-type received struct {
-	m   message
-	fds []int
-	err error
+// lastExited returns the init's "exited" report once the init is gone, or
+// nil if it died without one. The init's end of the control socket closed
+// with it, so the reader delivers what was sent and then an error; the
+// timer only guards against a descriptor leaked to another process.
+func lastExited(msgs <-chan received) *nsinit.Message {
+	timeout := time.After(5 * time.Second)
+	for {
+		select {
+		case m := <-msgs:
+			if m.err != nil {
+				return nil
+			}
+			nsinit.CloseFDs(m.fds)
+			if m.m.Type == nsinit.MsgExited {
+				return &m.m
+			}
+		case <-timeout:
+			return nil
+		}
+	}
 }
 
-func closeFDs(fds []int) {
-	for _, fd := range fds {
-		unix.Close(fd)
-	}
+type received struct {
+	m   nsinit.Message
+	fds []int
+	err error
 }
 
 // copyIn fills the sandbox's /workspace (reached through the init's root)
@@ -533,4 +561,30 @@ func (r *run) copyOut(initPID int) error {
 	}
 	defer src.Close()
 	return copyTree(src, dst, direct)
+}
+
+// prepareHost sweeps leftovers of crashed runs, then creates this run's
+// state directory and cgroups (in that order, so a crash always leaves the
+// sweeper enough to clean up). It sets r.limiter once cgroups exist; the
+// caller removes whatever it returns or set, also on error.
+func (r *run) prepareHost(ctx context.Context) (*state, error) {
+	if n, err := Sweep(ctx, r.l.stateRoot()); err != nil {
+		r.log.Warn("sweeping earlier sandboxes", "err", err)
+	} else if n > 0 {
+		r.log.Info("swept leftovers of crashed sandboxes", "count", n)
+	}
+	st, err := newState(r.l.stateRoot(), r.id)
+	if err != nil {
+		return nil, err
+	}
+	lim, err := newLimiter(r.id, r.spec.Limits)
+	if err != nil {
+		return st, err
+	}
+	r.limiter = lim
+	st.own.Cgroups = lim.dirs()
+	if err := st.save(); err != nil {
+		return st, err
+	}
+	return st, nil
 }

@@ -10,24 +10,25 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	"github.com/sluicehq/sluice/internal/sandbox/nsinit"
 )
 
 // Paths inside the sandbox.
 const (
-	WorkspacePath = "/workspace"
-	CABundlePath  = "/sluice/ca.pem"
+	WorkspacePath = nsinit.WorkspacePath
+	CABundlePath  = nsinit.CABundlePath
 	// RelayAddr is where the sandbox reaches the proxy: a listener inside the
 	// sandbox's network namespace whose connections the launcher relays.
-	RelayAddr   = "127.0.0.1:3128"
-	relayPort   = 3128
-	sandboxPATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+	RelayAddr   = nsinit.RelayAddr
+	sandboxPATH = nsinit.PATH
 )
 
 // Exit statuses of a run that did not end with the command's own status.
 const (
-	ExitTimeout      = 124 // the wall-clock timeout killed the sandbox
-	ExitLaunchFailed = 125 // the sandbox could not be started
-	ExitOOM          = 137 // the memory limit killed the sandbox (128 + SIGKILL)
+	ExitTimeout      = 124                     // the wall-clock timeout killed the sandbox
+	ExitLaunchFailed = nsinit.ExitLaunchFailed // the sandbox could not be started
+	ExitOOM          = 137                     // the memory limit killed the sandbox (128 + SIGKILL)
 )
 
 // Reasons a sandbox was killed (Result.KilledBy, Event.KilledBy).

@@ -1,4 +1,4 @@
-package sandbox
+package nsinit
 
 import (
 	"encoding/json"
@@ -22,16 +22,17 @@ const (
 
 // Message types.
 const (
-	msgConfig  = "config"  // launcher → init: the config memfd is ready, the init is in its cgroup
-	msgReady   = "ready"   // init → launcher: mounts done, listener attached
-	msgGo      = "go"      // launcher → init: workspace copied in, start the command
-	msgStarted = "started" // init → launcher: the command runs
-	msgExited  = "exited"  // init → launcher: the command exited, the rest is killed
-	msgDone    = "done"    // launcher → init: workspace copied out, exit now
-	msgError   = "error"   // init → launcher: setup failed
+	MsgConfig  = "config"  // launcher → init: the config memfd is ready, the init is in its cgroup, the launch is recorded
+	MsgReady   = "ready"   // init → launcher: mounts done, listener attached
+	MsgGo      = "go"      // launcher → init (Config.WaitGo only): workspace copied in, start the command
+	MsgStarted = "started" // init → launcher: the command runs
+	MsgExited  = "exited"  // init → launcher: the command exited, the rest is killed
+	MsgDone    = "done"    // launcher → init (Config.Keep only): workspace copied out, exit now
+	MsgError   = "error"   // init → launcher: setup failed
 )
 
-type message struct {
+// Message is one control packet.
+type Message struct {
 	Type     string `json:"type"`
 	Error    string `json:"error,omitempty"`
 	Exit     int    `json:"exit,omitempty"`
@@ -39,9 +40,9 @@ type message struct {
 	Landlock string `json:"landlock,omitempty"`
 }
 
-// initConfig is everything the init needs. It holds the sandbox environment
+// Config is everything the init needs. It holds the sandbox environment
 // (with the proxy token): it only ever travels in a private memfd.
-type initConfig struct {
+type Config struct {
 	Hostname        string   `json:"hostname"`
 	RootDir         string   `json:"root_dir"`
 	Argv            []string `json:"argv"`
@@ -56,11 +57,19 @@ type initConfig struct {
 	Pids            int64    `json:"pids"`
 	CPUSeconds      int64    `json:"cpu_seconds"`
 	AllowNoLandlock bool     `json:"allow_no_landlock"`
+	// WaitGo: wait for MsgGo after MsgReady (the launcher copies the
+	// workspace in first). Otherwise the command starts right after setup.
+	WaitGo bool `json:"wait_go"`
+	// Keep: stay alive after MsgExited until MsgDone, so the launcher can
+	// copy /workspace out. Otherwise exit at once.
+	Keep bool `json:"keep"`
 }
 
-type conn struct{ fd int }
+// Conn is one end of the control socket.
+type Conn struct{ FD int }
 
-func (c conn) send(m message, fds ...int) error {
+// Send writes one message, with fds passed as SCM_RIGHTS.
+func (c Conn) Send(m Message, fds ...int) error {
 	b, err := json.Marshal(m)
 	if err != nil {
 		return fmt.Errorf("encoding %s message: %w", m.Type, err)
@@ -70,7 +79,7 @@ func (c conn) send(m message, fds ...int) error {
 		oob = unix.UnixRights(fds...)
 	}
 	for {
-		err = unix.Sendmsg(c.fd, b, oob, nil, 0)
+		err = unix.Sendmsg(c.FD, b, oob, nil, 0)
 		if err != unix.EINTR {
 			break
 		}
@@ -81,26 +90,26 @@ func (c conn) send(m message, fds ...int) error {
 	return nil
 }
 
-// recv reads one message and any file descriptors passed with it.
-func (c conn) recv() (message, []int, error) {
+// Recv reads one message and any file descriptors passed with it.
+func (c Conn) Recv() (Message, []int, error) {
 	buf := make([]byte, maxMsg)
 	oob := make([]byte, unix.CmsgSpace(4*4))
 	var n, oobn, flags int
 	var err error
 	for {
-		n, oobn, flags, _, err = unix.Recvmsg(c.fd, buf, oob, unix.MSG_CMSG_CLOEXEC)
+		n, oobn, flags, _, err = unix.Recvmsg(c.FD, buf, oob, unix.MSG_CMSG_CLOEXEC)
 		if err != unix.EINTR {
 			break
 		}
 	}
 	if err != nil {
-		return message{}, nil, fmt.Errorf("receiving: %w", err)
+		return Message{}, nil, fmt.Errorf("receiving: %w", err)
 	}
 	var fds []int
 	if oobn > 0 {
 		scms, err := unix.ParseSocketControlMessage(oob[:oobn])
 		if err != nil {
-			return message{}, nil, fmt.Errorf("parsing control message: %w", err)
+			return Message{}, nil, fmt.Errorf("parsing control message: %w", err)
 		}
 		for _, s := range scms {
 			got, err := unix.ParseUnixRights(&s)
@@ -116,21 +125,23 @@ func (c conn) recv() (message, []int, error) {
 	}
 	if n == 0 {
 		closeAll()
-		return message{}, nil, errors.New("peer closed the control socket")
+		return Message{}, nil, errors.New("peer closed the control socket")
 	}
 	if flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0 {
 		closeAll()
-		return message{}, nil, errors.New("control message truncated")
+		return Message{}, nil, errors.New("control message truncated")
 	}
-	var m message
+	var m Message
 	if err := json.Unmarshal(buf[:n], &m); err != nil {
 		closeAll()
-		return message{}, nil, fmt.Errorf("decoding control message: %w", err)
+		return Message{}, nil, fmt.Errorf("decoding control message: %w", err)
 	}
 	return m, fds, nil
 }
 
-func socketpair() (parent, child *os.File, err error) {
+// Socketpair returns the launcher's and the init's ends of a new control
+// socket (SOCK_SEQPACKET, close-on-exec).
+func Socketpair() (parent, child *os.File, err error) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, nil, fmt.Errorf("control socketpair: %w", err)
@@ -138,8 +149,8 @@ func socketpair() (parent, child *os.File, err error) {
 	return os.NewFile(uintptr(fds[0]), "sluice-control"), os.NewFile(uintptr(fds[1]), "sluice-control-init"), nil
 }
 
-// writeConfig puts cfg in a sealed memfd for the init to read.
-func writeConfig(cfg *initConfig) (*os.File, error) {
+// WriteConfig puts cfg in a sealed memfd for the init to read.
+func WriteConfig(cfg *Config) (*os.File, error) {
 	b, err := json.Marshal(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("encoding init config: %w", err)
@@ -160,18 +171,35 @@ func writeConfig(cfg *initConfig) (*os.File, error) {
 	return f, nil
 }
 
-func readConfig(f *os.File) (*initConfig, error) {
-	b := make([]byte, maxConfigSize+1)
+// readConfig reads the sealed memfd. It sizes the buffer from fstat rather
+// than the 16 MiB bound: a config is a few KiB, and the init's start-up is
+// on every launch's critical path.
+func readConfig(f *os.File) (*Config, error) {
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("reading init config: %w", err)
+	}
+	if fi.Size() > maxConfigSize {
+		return nil, errors.New("init config too large")
+	}
+	b := make([]byte, fi.Size()+1) // one more, to see a file that grew
 	n, err := f.ReadAt(b, 0)
 	if err != nil && !errors.Is(err, io.EOF) {
 		return nil, fmt.Errorf("reading init config: %w", err)
 	}
-	if n > maxConfigSize {
-		return nil, errors.New("init config too large")
+	if n != int(fi.Size()) {
+		return nil, errors.New("init config changed while being read")
 	}
-	var cfg initConfig
+	var cfg Config
 	if err := json.Unmarshal(b[:n], &cfg); err != nil {
 		return nil, fmt.Errorf("decoding init config: %w", err)
 	}
 	return &cfg, nil
+}
+
+// CloseFDs closes received descriptors nobody will use.
+func CloseFDs(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
 }

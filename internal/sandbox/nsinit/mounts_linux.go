@@ -1,11 +1,11 @@
-package sandbox
+package nsinit
 
 import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -34,6 +34,24 @@ func builtEntries() map[string]bool {
 // pivoting into it. The mount lives only in the sandbox's private mount
 // namespace; the host's directory is untouched.
 const skeletonMountpoint = "/tmp"
+
+// join is filepath.Join for the clean, slash-separated paths the init
+// builds; path/filepath is avoided because it would pull its package
+// initialisation into the init's start-up (see hook.go).
+func join(elem ...string) string {
+	out := ""
+	for _, e := range elem {
+		switch {
+		case out == "":
+			out = e
+		case strings.HasSuffix(out, "/"):
+			out += strings.TrimPrefix(e, "/")
+		default:
+			out += "/" + strings.TrimPrefix(e, "/")
+		}
+	}
+	return out
+}
 
 func tmpfsData(size, inodes int64, mode os.FileMode) string {
 	return "size=" + strconv.FormatInt(size, 10) + ",nr_inodes=" + strconv.FormatInt(inodes, 10) + ",mode=" + strconv.FormatUint(uint64(mode), 8)
@@ -64,7 +82,7 @@ func readOnlyBind(src, dst string) error {
 
 // bindDevice binds one host device node into the new /dev.
 func bindDevice(root, name string) error {
-	dst := filepath.Join(root, "dev", name)
+	dst := join(root, "dev", name)
 	f, err := os.OpenFile(dst, os.O_CREATE|os.O_WRONLY, 0o666)
 	if err != nil {
 		return fmt.Errorf("creating /dev/%s: %w", name, err)
@@ -79,7 +97,7 @@ func bindDevice(root, name string) error {
 // buildRoot assembles the sandbox's filesystem under skeletonMountpoint and
 // pivots into it. It runs in the init, inside the new user and mount
 // namespaces, before anything of the sandbox runs.
-func buildRoot(cfg *initConfig) error {
+func buildRoot(cfg *Config) error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("making mounts private: %w", err)
 	}
@@ -102,7 +120,7 @@ func buildRoot(cfg *initConfig) error {
 		if built[name] || (rootDir == "/" && !allow[name]) {
 			continue
 		}
-		src, dst := filepath.Join(rootDir, name), filepath.Join(r, name)
+		src, dst := join(rootDir, name), join(r, name)
 		switch {
 		case e.Type()&os.ModeSymlink != 0:
 			target, err := os.Readlink(src)
@@ -122,18 +140,18 @@ func buildRoot(cfg *initConfig) error {
 		}
 	}
 	for _, d := range []string{"proc", "dev", "tmp", "workspace", "sluice", "home", "root", "run"} {
-		if err := os.Mkdir(filepath.Join(r, d), 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		if err := os.Mkdir(join(r, d), 0o755); err != nil && !errors.Is(err, os.ErrExist) {
 			return fmt.Errorf("mkdir /%s: %w", d, err)
 		}
 	}
 
 	// No DNS inside: an empty resolver configuration over the root's.
-	resolv := filepath.Join(r, "sluice", "resolv.conf")
+	resolv := join(r, "sluice", "resolv.conf")
 	if err := os.WriteFile(resolv, []byte("# sluice: no DNS in the sandbox; all traffic goes through the proxy\n"), 0o644); err != nil {
 		return fmt.Errorf("writing resolv.conf: %w", err)
 	}
-	if fi, err := os.Lstat(filepath.Join(r, "etc", "resolv.conf")); err == nil && fi.Mode().IsRegular() {
-		dst := filepath.Join(r, "etc", "resolv.conf")
+	if fi, err := os.Lstat(join(r, "etc", "resolv.conf")); err == nil && fi.Mode().IsRegular() {
+		dst := join(r, "etc", "resolv.conf")
 		if err := unix.Mount(resolv, dst, "", unix.MS_BIND, ""); err != nil {
 			return mountErr("resolv.conf", dst, err)
 		}
@@ -142,21 +160,21 @@ func buildRoot(cfg *initConfig) error {
 		}
 	}
 	if len(cfg.CABundle) > 0 {
-		if err := os.WriteFile(filepath.Join(r, "sluice", "ca.pem"), cfg.CABundle, 0o644); err != nil {
+		if err := os.WriteFile(join(r, "sluice", "ca.pem"), cfg.CABundle, 0o644); err != nil {
 			return fmt.Errorf("writing CA bundle: %w", err)
 		}
 	}
 
-	ws := filepath.Join(r, "workspace")
+	ws := join(r, "workspace")
 	if err := unix.Mount("sluice-workspace", ws, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, tmpfsData(cfg.DiskBytes, cfg.Files+1, 0o755)); err != nil {
 		return mountErr("workspace tmpfs", ws, err)
 	}
-	tmp := filepath.Join(r, "tmp")
+	tmp := join(r, "tmp")
 	if err := unix.Mount("sluice-tmp", tmp, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, tmpfsData(cfg.TmpBytes, cfg.TmpFiles+1, 0o1777)); err != nil {
 		return mountErr("tmp tmpfs", tmp, err)
 	}
 
-	dev := filepath.Join(r, "dev")
+	dev := join(r, "dev")
 	if err := unix.Mount("sluice-dev", dev, "tmpfs", unix.MS_NOSUID|unix.MS_NOEXEC, tmpfsData(64<<10, 64, 0o755)); err != nil {
 		return mountErr("dev tmpfs", dev, err)
 	}
@@ -166,7 +184,7 @@ func buildRoot(cfg *initConfig) error {
 		}
 	}
 	for name, target := range map[string]string{"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1", "stderr": "/proc/self/fd/2"} {
-		if err := os.Symlink(target, filepath.Join(dev, name)); err != nil {
+		if err := os.Symlink(target, join(dev, name)); err != nil {
 			return fmt.Errorf("linking /dev/%s: %w", name, err)
 		}
 	}
@@ -174,7 +192,7 @@ func buildRoot(cfg *initConfig) error {
 		return fmt.Errorf("making /dev read-only: %w", err)
 	}
 
-	proc := filepath.Join(r, "proc")
+	proc := join(r, "proc")
 	if err := unix.Mount("proc", proc, "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
 		return mountErr("proc", proc, err)
 	}

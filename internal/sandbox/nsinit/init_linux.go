@@ -1,12 +1,10 @@
-package sandbox
+package nsinit
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -15,27 +13,30 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// InitCommand is the hidden subcommand of the sluice binary that runs as the
-// sandbox's init; the launcher re-executes its own binary with it.
-const InitCommand = "__sandbox-init"
+// Command is argv[1] of the init: the launcher re-executes its own binary
+// as "Argv0 Command" in the new namespaces.
+const (
+	Command = "__sandbox-init"
+	Argv0   = "sluice-init"
+)
 
-// initControlFD is the control socket the launcher hands to the init; the
-// config memfd arrives over it with the first message.
-const initControlFD = 3
+// ControlFD is the control socket the launcher hands to the init; the
+// config memfd arrives over it with the first Message.
+const ControlFD = 3
 
 const (
 	secbitsLocked = 1<<0 | 1<<1 | 1<<2 | 1<<3 | 1<<5 | 1<<6 | 1<<7 // NOROOT, NO_SETUID_FIXUP, KEEP_CAPS_LOCKED, NO_CAP_AMBIENT_RAISE, all locked
 )
 
-// Init is the sandbox's PID 1. It sets up the filesystem and network of the
+// Main is the sandbox's PID 1. It sets up the filesystem and network of the
 // namespaces it was born in, starts the command with every restriction in
 // place, reaps orphans, kills what is left when the command exits and reports
 // the status to the launcher. It returns the process exit status; errors go to
 // the launcher over the control socket.
-func Init(ctx context.Context) int {
-	ctl := conn{fd: initControlFD}
+func Main() int {
+	ctl := Conn{FD: ControlFD}
 	// Nothing the init holds may reach the command.
-	unix.CloseOnExec(initControlFD)
+	unix.CloseOnExec(ControlFD)
 	// If the launcher died before we got here, the pid-namespace fix-up of
 	// Pdeathsig could not run: ask again, then check that it is still there.
 	_ = unix.Prctl(unix.PR_SET_PDEATHSIG, uintptr(unix.SIGKILL), 0, 0, 0)
@@ -51,12 +52,12 @@ func Init(ctx context.Context) int {
 	}()
 
 	fail := func(stage string, err error) int {
-		_ = ctl.send(message{Type: msgError, Error: stage + ": " + err.Error()})
+		_ = ctl.Send(Message{Type: MsgError, Error: stage + ": " + err.Error()})
 		return ExitLaunchFailed
 	}
-	m, fds, err := ctl.recv()
-	if err != nil || m.Type != msgConfig || len(fds) != 1 {
-		closeFDs(fds)
+	m, fds, err := ctl.Recv()
+	if err != nil || m.Type != MsgConfig || len(fds) != 1 {
+		CloseFDs(fds)
 		return ExitLaunchFailed
 	}
 	cfgFile := os.NewFile(uintptr(fds[0]), "config")
@@ -75,15 +76,17 @@ func Init(ctx context.Context) int {
 	if err != nil {
 		return fail("network", err)
 	}
-	err = ctl.send(message{Type: msgReady}, lfd)
+	err = ctl.Send(Message{Type: MsgReady}, lfd)
 	unix.Close(lfd)
 	if err != nil {
 		return ExitLaunchFailed
 	}
-	if m, _, err = ctl.recv(); err != nil || m.Type != msgGo {
-		return ExitLaunchFailed
+	if cfg.WaitGo {
+		if m, _, err = ctl.Recv(); err != nil || m.Type != MsgGo {
+			return ExitLaunchFailed
+		}
 	}
-	return onNonLeaderThread(func() int { return superviseCommand(ctx, ctl, cfg) })
+	return onNonLeaderThread(func() int { return superviseCommand(ctl, cfg) })
 }
 
 // onNonLeaderThread runs fn on a locked OS thread that is not the thread
@@ -135,7 +138,7 @@ func relayListener() (int, error) {
 		return -1, fmt.Errorf("socket: %w", err)
 	}
 	_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1)
-	if err := unix.Bind(fd, &unix.SockaddrInet4{Port: relayPort, Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Port: RelayPort, Addr: [4]byte{127, 0, 0, 1}}); err != nil {
 		unix.Close(fd)
 		return -1, fmt.Errorf("bind %s: %w", RelayAddr, err)
 	}
@@ -151,17 +154,17 @@ func lookPath(argv0 string, env []string) (string, error) {
 	if strings.Contains(argv0, "/") {
 		return argv0, nil
 	}
-	path := sandboxPATH
+	path := PATH
 	for _, kv := range env {
 		if v, ok := strings.CutPrefix(kv, "PATH="); ok {
 			path = v
 		}
 	}
-	for _, dir := range filepath.SplitList(path) {
+	for _, dir := range strings.Split(path, ":") {
 		if dir == "" {
 			dir = "."
 		}
-		p := filepath.Join(dir, argv0)
+		p := join(dir, argv0)
 		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
 			return p, nil
 		}
@@ -169,7 +172,7 @@ func lookPath(argv0 string, env []string) (string, error) {
 	return "", fmt.Errorf("%s: command not found in PATH", argv0)
 }
 
-func setRlimits(cfg *initConfig) error {
+func setRlimits(cfg *Config) error {
 	set := func(res int, v uint64) error {
 		return unix.Setrlimit(res, &unix.Rlimit{Cur: v, Max: v})
 	}
@@ -209,7 +212,7 @@ func lastCap() int {
 // command inherits: no_new_privs, an empty capability bounding set, locked
 // securebits, Landlock and seccomp. Order matters: seccomp last, because it
 // refuses the prctl and mount calls the earlier steps might need.
-func restrictThread(cfg *initConfig) (string, error) {
+func restrictThread(cfg *Config) (string, error) {
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return "", fmt.Errorf("no_new_privs: %w", err)
 	}
@@ -242,9 +245,9 @@ func restrictThread(cfg *initConfig) (string, error) {
 
 // superviseCommand starts the command and stays PID 1 until it has exited and
 // every other process of the namespace is gone.
-func superviseCommand(_ context.Context, ctl conn, cfg *initConfig) int {
+func superviseCommand(ctl Conn, cfg *Config) int {
 	fail := func(stage string, err error) int {
-		_ = ctl.send(message{Type: msgError, Error: stage + ": " + err.Error()})
+		_ = ctl.Send(Message{Type: MsgError, Error: stage + ": " + err.Error()})
 		return ExitLaunchFailed
 	}
 	path, err := lookPath(cfg.Argv[0], cfg.Env)
@@ -270,7 +273,7 @@ func superviseCommand(_ context.Context, ctl conn, cfg *initConfig) int {
 	if err != nil {
 		return fail("exec "+cfg.Argv[0], err)
 	}
-	if err := ctl.send(message{Type: msgStarted, Landlock: ll}); err != nil {
+	if err := ctl.Send(Message{Type: MsgStarted, Landlock: ll}); err != nil {
 		unix.Kill(-1, unix.SIGKILL)
 		return ExitLaunchFailed
 	}
@@ -296,11 +299,13 @@ func superviseCommand(_ context.Context, ctl conn, cfg *initConfig) int {
 			_ = unix.Kill(-1, unix.SIGKILL)
 		}
 	}
-	if err := ctl.send(message{Type: msgExited, Exit: exit, Signal: sig}); err != nil {
+	if err := ctl.Send(Message{Type: MsgExited, Exit: exit, Signal: sig}); err != nil {
 		return ExitLaunchFailed
 	}
-	// Stay alive (and keep /workspace mounted) until the launcher has copied
-	// the workspace out.
-	_, _, _ = ctl.recv()
+	if cfg.Keep {
+		// Stay alive (and keep /workspace mounted) until the launcher has
+		// copied the workspace out.
+		_, _, _ = ctl.Recv()
+	}
 	return 0
 }

@@ -1,4 +1,4 @@
-package sandbox
+package nsinit
 
 import (
 	"fmt"
@@ -42,8 +42,8 @@ type llNetPortAttr struct {
 	port    uint64
 }
 
-// landlockABI returns the kernel's Landlock ABI version, 0 when unavailable.
-func landlockABI() int {
+// LandlockABI returns the kernel's Landlock ABI version, 0 when unavailable.
+func LandlockABI() int {
 	v, _, errno := unix.Syscall(unix.SYS_LANDLOCK_CREATE_RULESET, 0, 0, unix.LANDLOCK_CREATE_RULESET_VERSION)
 	if errno != 0 {
 		return 0
@@ -90,7 +90,7 @@ func landlockRules() []llRule {
 // runtime.LockOSThread and have no_new_privs set. It returns a description
 // of what applied, or an empty string when Landlock is unavailable.
 func applyLandlock() (string, error) {
-	abi := landlockABI()
+	abi := LandlockABI()
 	if abi < 1 {
 		return "", nil
 	}
@@ -101,7 +101,7 @@ func applyLandlock() (string, error) {
 	if abi >= 4 {
 		attr.net = unix.LANDLOCK_ACCESS_NET_CONNECT_TCP
 		size = 2 * unsafe.Sizeof(uint64(0))
-		parts = append(parts, fmt.Sprintf("tcp connect %d only", relayPort))
+		parts = append(parts, fmt.Sprintf("tcp connect %d only", RelayPort))
 	}
 	if abi >= 6 {
 		attr.scoped = unix.LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | unix.LANDLOCK_SCOPE_SIGNAL
@@ -135,7 +135,7 @@ func applyLandlock() (string, error) {
 		}
 	}
 	if abi >= 4 {
-		np := llNetPortAttr{allowed: unix.LANDLOCK_ACCESS_NET_CONNECT_TCP, port: relayPort}
+		np := llNetPortAttr{allowed: unix.LANDLOCK_ACCESS_NET_CONNECT_TCP, port: RelayPort}
 		_, _, errno := unix.Syscall6(unix.SYS_LANDLOCK_ADD_RULE, rfd, llRuleNetPort, uintptr(unsafe.Pointer(&np)), 0, 0, 0)
 		if errno != 0 {
 			return "", fmt.Errorf("landlock: tcp port rule: %w", errno)
