@@ -72,12 +72,23 @@ See docs/launcher.md.`,
 				if key == "" {
 					key = rel(cfg.Identity.TokenKeyFile)
 				}
+				serveAudit := rel(cfg.Audit.Path)
 				if auditPath == "" {
-					auditPath = rel(cfg.Audit.Path)
+					if auditPath, err = launcherAuditPath(serveAudit); err != nil {
+						return &exitError{code: sandbox.ExitLaunchFailed, msg: err.Error()}
+					}
+				} else if sameFile(auditPath, serveAudit) {
+					return &exitError{code: sandbox.ExitLaunchFailed, msg: fmt.Sprintf("--audit %s is the proxy's audit log (audit.path): sluice serve holds that hash chain open, and a second writer would fork it; use another file (default: %s)", auditPath, mustLauncherAuditPath(serveAudit))}
 				}
 				if proxy == "" && cfg.Server.Listen != "" {
 					proxy = cfg.Server.Listen
+					if p, ok := strings.CutPrefix(proxy, "unix:"); ok && !filepath.IsAbs(p) {
+						proxy = "unix:" + filepath.Join(dir, p) // as serve resolves it
+					}
 				}
+			}
+			if auditPath == "-" {
+				return &exitError{code: sandbox.ExitLaunchFailed, msg: "--audit -: stdout belongs to the sandboxed command; give a file"}
 			}
 			if proxy == "" {
 				proxy = "127.0.0.1:3128"
@@ -122,12 +133,13 @@ See docs/launcher.md.`,
 				StateRoot: stateRoot,
 			}
 			if auditPath != "" {
-				w, err := audit.Open(audit.Options{Path: auditPath, Fsync: "always", Logger: logger})
-				if err != nil {
+				// Open once now so a bad path fails before anything starts;
+				// each record is then appended under the file's lock.
+				rec := auditRecorder{path: auditPath, logger: logger}
+				if err := rec.check(ctx); err != nil {
 					return &exitError{code: sandbox.ExitLaunchFailed, msg: fmt.Sprintf("audit log: %v", err)}
 				}
-				defer w.Close(context.WithoutCancel(ctx))
-				l.Recorder = auditRecorder{w: w}
+				l.Recorder = rec
 			}
 			if keep && workspace == "" {
 				// Decide the directory now so the id in its name matches nothing secret.
@@ -166,7 +178,7 @@ See docs/launcher.md.`,
 	f.StringVar(&key, "key", "", "token key file (default: the config's identity.token_key_file)")
 	f.StringVar(&caBundle, "ca-bundle", "", "PEM bundle the sandbox trusts (from `sluice ca bundle`), mounted at "+sandbox.CABundlePath)
 	f.StringVarP(&configPath, "config", "c", "", "configuration file for defaults (key, audit path, proxy address)")
-	f.StringVar(&auditPath, "audit", "", "audit log file for launch/run records (default: the config's audit.path)")
+	f.StringVar(&auditPath, "audit", "", "audit log file for launch/run records (default with --config: audit.path with .launcher before its extension; never the proxy's own file)")
 	f.StringVar(&root, "root", "", "directory to use as the read-only root instead of the host's system directories")
 	f.BoolVar(&allowNoLandlock, "allow-no-landlock", false, "run even if the kernel has no Landlock (default: refuse)")
 	f.BoolVar(&sweep, "sweep", false, "only remove leftovers (cgroups, state) of crashed earlier runs, then exit")
@@ -199,8 +211,94 @@ func (m keyMinter) Mint(tenant, sandboxID string, ttl time.Duration) (string, er
 	return identity.Mint(m.key, tenant, sandboxID, ttl, time.Now())
 }
 
-// auditRecorder turns launcher events into audit records.
-type auditRecorder struct{ w *audit.Writer }
+// The launcher's audit records (launch, run) never go into the proxy's
+// audit file: sluice serve keeps that file's hash chain open for its whole
+// life, and a second writer would fork it (`sluice logs verify` fails).
+// With --config they go to a sibling of audit.path, "<name>.launcher<ext>";
+// `sluice logs verify`/`sluice logs` take both files. Concurrent runs may
+// share one launcher file: each record is appended by a writer opened
+// under an exclusive lock on "<file>.lock", which continues the chain from
+// the file's last record, and is closed again, so the chain stays linear.
+
+// launcherAuditPath derives the launcher's audit file from the proxy's.
+func launcherAuditPath(serveAudit string) (string, error) {
+	switch serveAudit {
+	case "":
+		return "", nil // no audit configured
+	case "-":
+		return "", errors.New("the config's audit.path is stdout, which belongs to the sandboxed command here; give run --audit FILE")
+	}
+	return mustLauncherAuditPath(serveAudit), nil
+}
+
+func mustLauncherAuditPath(serveAudit string) string {
+	ext := filepath.Ext(serveAudit)
+	return strings.TrimSuffix(serveAudit, ext) + ".launcher" + ext
+}
+
+// sameFile reports whether a and b name one file (or, if either does not
+// exist yet, the same cleaned absolute path).
+func sameFile(a, b string) bool {
+	if a == "" || b == "" || a == "-" || b == "-" {
+		return false
+	}
+	fa, errA := os.Stat(a)
+	fb, errB := os.Stat(b)
+	if errA == nil && errB == nil {
+		return os.SameFile(fa, fb)
+	}
+	pa, errA := filepath.Abs(a)
+	pb, errB := filepath.Abs(b)
+	return errA == nil && errB == nil && pa == pb
+}
+
+// auditRecorder turns launcher events into audit records, appended to path
+// under its lock.
+type auditRecorder struct {
+	path   string
+	logger *slog.Logger
+}
+
+// check opens the log once under the lock (creating it with its chain
+// header if new), so an unusable path fails the launch up front.
+func (a auditRecorder) check(ctx context.Context) error {
+	return a.locked(ctx, func(*audit.Writer) error { return nil })
+}
+
+func (a auditRecorder) locked(ctx context.Context, fn func(*audit.Writer) error) error {
+	if err := os.MkdirAll(filepath.Dir(a.path), 0o700); err != nil {
+		return fmt.Errorf("audit log directory: %w", err)
+	}
+	lf, err := os.OpenFile(a.path+".lock", os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return fmt.Errorf("audit lock: %w", err)
+	}
+	defer lf.Close()
+	for {
+		err = unix.Flock(int(lf.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			return fmt.Errorf("audit lock: %w", err)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("audit lock: %w", ctx.Err())
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	defer unix.Flock(int(lf.Fd()), unix.LOCK_UN)
+	w, err := audit.Open(audit.Options{Path: a.path, Fsync: "always", Logger: a.logger})
+	if err != nil {
+		return err
+	}
+	err = fn(w)
+	if cerr := w.Close(context.WithoutCancel(ctx)); err == nil {
+		err = cerr
+	}
+	return err
+}
 
 func (a auditRecorder) Record(ctx context.Context, ev sandbox.Event) error {
 	kind := audit.KindLaunch
@@ -232,7 +330,7 @@ func (a auditRecorder) Record(ctx context.Context, ev sandbox.Event) error {
 		msg = append(msg, "error="+ev.Error)
 	}
 	rec.Message = strings.Join(msg, " ")
-	if err := a.w.Write(ctx, rec); err != nil {
+	if err := a.locked(ctx, func(w *audit.Writer) error { return w.Write(ctx, rec) }); err != nil {
 		return errors.Join(errors.New("writing audit record"), err)
 	}
 	return nil
