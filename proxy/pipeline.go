@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -137,8 +138,11 @@ func (s *Server) handle(req *http.Request, tun *tunnel) *http.Response {
 	}
 	rec.Secrets = secretNames
 	if len(reveal) > 0 {
-		// Only identity bodies can be scrubbed as they stream.
+		// Only identity bodies can be scrubbed as they stream; likewise a
+		// compressed WebSocket (permessage-deflate) would hide a reflected
+		// secret from the scrubber after an upgrade.
 		out.Header.Set("Accept-Encoding", "identity")
+		out.Header.Del("Sec-WebSocket-Extensions")
 	}
 
 	// 6. Forward through the guarded transport. No redirect is followed:
@@ -188,6 +192,15 @@ func (s *Server) handle(req *http.Request, tun *tunnel) *http.Response {
 	// whose body is the raw connection).
 	rec.Status = resp.StatusCode
 	if resp.StatusCode == http.StatusSwitchingProtocols {
+		if len(reveal) > 0 {
+			rwc, ok := resp.Body.(io.ReadWriteCloser)
+			if !ok {
+				_ = resp.Body.Close()
+				rec.Decision = audit.DecisionError
+				return s.deny(ctx, rec, req, http.StatusBadGateway, rules.ReasonUpstreamError, ruleID(d))
+			}
+			resp.Body = newScrubbedUpgrade(rwc, reveal)
+		}
 		s.finish(ctx, rec, reqBody, 0)
 		return resp
 	}
@@ -207,6 +220,26 @@ func (s *Server) handle(req *http.Request, tun *tunnel) *http.Response {
 
 // redaction replaces a reflected secret in a response.
 const redaction = "[REDACTED-BY-SLUICE]"
+
+// scrubbedUpgrade is a connection after a protocol switch whose handshake
+// carried secrets: what the origin sends is scrubbed of them as it streams,
+// or an echoing WebSocket endpoint would hand the key back after the
+// pipeline is done. Each occurrence is masked with as many '*' as it has
+// bytes, so WebSocket frame lengths stay valid.
+type scrubbedUpgrade struct {
+	io.ReadWriteCloser
+	r io.Reader
+}
+
+func newScrubbedUpgrade(rwc io.ReadWriteCloser, secrets [][]byte) *scrubbedUpgrade {
+	var r io.Reader = rwc
+	for _, sec := range secrets {
+		r = broker.NewScrubber(io.NopCloser(r), [][]byte{sec}, bytes.Repeat([]byte{'*'}, len(sec)))
+	}
+	return &scrubbedUpgrade{ReadWriteCloser: rwc, r: r}
+}
+
+func (u *scrubbedUpgrade) Read(p []byte) (int, error) { return u.r.Read(p) }
 
 // identify authenticates a plain request or a CONNECT from its
 // Proxy-Authorization header; a failure is answered with 407.
