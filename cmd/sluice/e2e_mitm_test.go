@@ -338,6 +338,10 @@ func (o *reflectOrigin) upgrade(w http.ResponseWriter, r *http.Request) {
 		o.wsLines = append(o.wsLines, line)
 		o.mu.Unlock()
 		reply := "echo:" + line
+		if line == "whoami" {
+			// Reflect the credential over the upgraded stream.
+			reply = "you sent: " + strings.Join(r.Header.Values("Authorization"), " | ")
+		}
 		if line == "bye" {
 			_, _ = io.WriteString(brw, "bye\n")
 			_ = brw.Flush()
@@ -1037,6 +1041,7 @@ func TestE2EMITMWebSocket(t *testing.T) {
 	head := strings.Join([]string{
 		"GET /v1/ws HTTP/1.1", "Host: " + target, "Upgrade: websocket", "Connection: Upgrade",
 		"Sec-WebSocket-Version: 13", "Sec-WebSocket-Key: " + key, "Authorization: Bearer sandbox-value",
+		"Sec-WebSocket-Extensions: permessage-deflate",
 	}, "\r\n") + "\r\n\r\n"
 	if _, err := io.WriteString(c.conn, head); err != nil {
 		t.Fatal(err)
@@ -1055,6 +1060,9 @@ func TestE2EMITMWebSocket(t *testing.T) {
 	}
 	if !strings.EqualFold(resp.Header.Get("Upgrade"), "websocket") {
 		t.Errorf("Upgrade header %q", resp.Header.Get("Upgrade"))
+	}
+	if ext := w.api.last(t, "/v1/ws").Header.Values("Sec-WebSocket-Extensions"); len(ext) != 0 {
+		t.Errorf("compression offered to the origin on a handshake that carries a secret: %q", ext)
 	}
 	got := w.api.last(t, "/v1/ws").Header.Values("Authorization")
 	if len(got) != 1 || got[0] != "Bearer "+w.tok {
@@ -1080,6 +1088,24 @@ func TestE2EMITMWebSocket(t *testing.T) {
 		}
 		if reply != "echo:"+line+"\n" {
 			t.Fatalf("reply %d: %.60q (len %d), want echo of %d bytes", i, reply, len(reply), len(line))
+		}
+	}
+	// A reflected secret is masked byte for byte after the switch too
+	// (frame lengths stay valid), and a line after it still arrives.
+	if _, err := io.WriteString(c.conn, "whoami\nafter\n"); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"you sent: Bearer " + strings.Repeat("*", len(w.tok)) + "\n", "echo:after\n"} {
+		reply, err := c.br.ReadString('\n')
+		w.saw.text(reply)
+		if err != nil {
+			t.Fatalf("read after whoami: %v", err)
+		}
+		if strings.Contains(reply, w.tok) {
+			t.Fatal("the secret reached the client over the upgraded connection")
+		}
+		if reply != want {
+			t.Errorf("reply %q, want %q", reply, want)
 		}
 	}
 	if _, err := io.WriteString(c.conn, "bye\n"); err != nil {
