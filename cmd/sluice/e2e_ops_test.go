@@ -20,7 +20,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/url"
 	"os"
 	"sort"
 	"strconv"
@@ -172,12 +171,6 @@ func (r opsResult) String() string {
 		return "error: " + r.Err.Error()
 	}
 	return fmt.Sprintf("%d %s %.200q", r.Status, r.Header.Get("X-Sluice-Reason"), r.Body)
-}
-
-// opsClient is a proxied client that may keep its connection alive.
-func opsClient(p *sluiceProc, c testCredential, tlsCfg *tls.Config) *http.Client {
-	cl := p.Client(c, tlsCfg)
-	return cl
 }
 
 // opsConnect sends a CONNECT for target and returns the tunnel on 200. It
@@ -477,9 +470,6 @@ func opsRetryAfter(h http.Header) int {
 	return n
 }
 
-var _ = url.URL{}
-var _ = errors.New
-var _ = syscall.SIGTERM
 
 // ---------------------------------------------------------------------------
 // Limits.
