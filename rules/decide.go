@@ -187,6 +187,9 @@ func (r *Rule) matches(q *Query, mode matchMode) bool {
 }
 
 func (r *Rule) hasPort(p int) bool {
+	if len(r.Ports) == 0 {
+		return true // only deny rules have no ports: every port
+	}
 	for _, x := range r.Ports {
 		if x == p {
 			return true

@@ -262,3 +262,33 @@ func ruleID(r *Rule) string {
 	}
 	return r.ID
 }
+
+// A deny rule without ports covers every port: denying a host must not be
+// dodged through a port that a wildcard allow opens.
+func TestDenyWithoutPortsCoversEveryPort(t *testing.T) {
+	cfg, err := Parse([]byte(`version: 1
+tenants:
+  - id: t
+    allow:
+      - host: "*.corp.test"
+        ports: [443, 8443]
+    deny:
+      - host: admin.corp.test
+`), "t.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := Compile(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, port := range []int{443, 8443} {
+		d := p.Decide(Query{Tenant: "t", Host: "admin.corp.test", Port: port, Connect: true})
+		if d.Allowed || d.Reason != ReasonDeniedByRule {
+			t.Errorf("port %d: %+v", port, d)
+		}
+	}
+	if d := p.Decide(Query{Tenant: "t", Host: "www.corp.test", Port: 8443, Connect: true}); !d.Allowed {
+		t.Errorf("www:8443 refused: %+v", d)
+	}
+}

@@ -49,7 +49,7 @@ type Rule struct {
 	Host           string // normalised; "*.example.com" for a wildcard
 	IsWildcard     bool
 	IsIP           bool
-	Ports          []int    // defaulted to [80, 443]
+	Ports          []int    // allow rules default to [80, 443]; empty on a deny rule means every port
 	Methods        []string // empty: any method
 	Paths          []string // as given; empty: any path
 	Inspect        bool
@@ -489,7 +489,10 @@ func (c *compiler) rule(tenant string, rs *RuleSpec, deny bool, n int, path stri
 	}
 
 	r.Ports = slices.Clone(rs.Ports)
-	if len(r.Ports) == 0 {
+	if len(r.Ports) == 0 && !deny {
+		// Allow rules open the web ports unless told otherwise; a deny
+		// rule without ports covers every port, so that denying a host
+		// cannot be dodged through a port some wildcard allow opens.
 		r.Ports = []int{80, 443}
 	}
 	elem := func(key string, i int) string { return fmt.Sprintf("%s.%s[%d]", path, key, i) }
