@@ -201,10 +201,19 @@ func (s *Server) handle(req *http.Request, tun *tunnel) *http.Response {
 			}
 			resp.Body = newScrubbedUpgrade(rwc, reveal)
 		}
-		s.finish(ctx, rec, reqBody, 0)
+		if err := s.finish(ctx, rec, reqBody, 0); err != nil {
+			// Failing closed: no unrecorded upgrade. The record's failure
+			// is already counted in the writer's gap.
+			_ = resp.Body.Close()
+			return denialResponse(req, http.StatusServiceUnavailable, rules.ReasonAuditUnavailable, rec.Host, ruleID(d), rec.ID)
+		}
 		return resp
 	}
-	body := &recordingBody{s: s, ctx: ctx, rec: rec, reqBody: reqBody, length: resp.ContentLength}
+	body := &recordingBody{s: s, ctx: ctx, rec: rec, reqBody: reqBody, length: resp.ContentLength, abort: tun == nil}
+	if req.Method == http.MethodHead || resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified {
+		// Content-Length here describes a body that is never sent.
+		body.length = 0
+	}
 	if len(reveal) > 0 {
 		sc := broker.NewScrubber(readCloser{Reader: s.opts.Limits.Reader(ctx, p.Tenant, false, resp.Body), Closer: resp.Body}, reveal, []byte(redaction))
 		body.scrubber, body.rc = sc, sc
@@ -632,6 +641,12 @@ type recordingBody struct {
 	n        int64
 	once     sync.Once
 	err      error
+	// abort is set for plain requests, whose body goproxy copies inside
+	// net/http's handler. Returning an error there is not enough: goproxy
+	// ignores it and net/http still ends a chunked or empty response
+	// properly, so the client would hold a complete, unrecorded response.
+	// Aborting the handler closes the connection instead.
+	abort bool
 }
 
 func (b *recordingBody) Read(p []byte) (int, error) {
@@ -639,15 +654,23 @@ func (b *recordingBody) Read(p []byte) (int, error) {
 	b.n += int64(n)
 	if err == io.EOF || (err == nil && b.length >= 0 && b.n >= b.length) {
 		if ferr := b.done(); ferr != nil {
+			if b.abort {
+				panic(http.ErrAbortHandler)
+			}
 			return 0, ferr
 		}
 	}
 	return n, err
 }
 
+// Close writes the record if the body was not read to its end; a failure to
+// write it is returned, so that a response written without reading its body
+// (HEAD inside an intercepted tunnel) is not completed either.
 func (b *recordingBody) Close() error {
 	err := b.rc.Close()
-	_ = b.done()
+	if derr := b.done(); derr != nil && err == nil {
+		err = derr
+	}
 	return err
 }
 
