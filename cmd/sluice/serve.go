@@ -84,17 +84,7 @@ func loadConfig(path string, v *viper.Viper) (*rules.Config, *rules.Policy, []by
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("reading config: %w", err)
 	}
-	cfg, err := rules.Parse(data, path)
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	resolvePaths(cfg, filepath.Dir(path))
-	for _, o := range serverOverrides {
-		if v != nil && v.IsSet(o.flag) && v.GetString(o.flag) != "" {
-			*o.field(cfg) = v.GetString(o.flag)
-		}
-	}
-	pol, err := rules.Compile(cfg)
+	cfg, pol, err := configFromBytes(path, data, v)
 	if err != nil {
 		return nil, nil, nil, err
 	}
