@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/netip"
 	"net/url"
 	"strconv"
 	"strings"
@@ -104,6 +103,28 @@ func (s *Server) handleConnect(_ string, pctx *goproxy.ProxyCtx) (*goproxy.Conne
 		return reject(resp)
 	}
 
+	// A spliced tunnel is dialled now, so that a refused address or a dead
+	// origin is answered with a status and a reason rather than a 200
+	// followed by a closed connection. (Intercepted tunnels dial per inner
+	// request.)
+	var upstream net.Conn
+	if !intercept {
+		dctx, cancel := context.WithTimeout(netguard.WithExceptions(ctx, d.Tenant.AllowCIDRs), time.Duration(s.cfg.DialTimeout))
+		upstream, err = s.opts.Dialer.DialContext(dctx, "tcp", net.JoinHostPort(nh, itoa(port)))
+		cancel()
+		if err != nil {
+			release()
+			st, reason := classifyUpstreamError(err)
+			if reason != rules.ReasonDestinationNotPermitted {
+				rec.Decision = audit.DecisionError
+			}
+			return reject(s.deny(ctx, rec, req, st, reason, ruleID(d)))
+		}
+		if a, ok := upstream.RemoteAddr().(*net.TCPAddr); ok {
+			rec.UpstreamIP = a.IP.String()
+		}
+	}
+
 	// The decision is recorded before the client hears "200": a tunnel
 	// that is open is a tunnel on record, even if the proxy dies while it
 	// runs. Its bytes are recorded in a second, tunnel record at close.
@@ -114,6 +135,9 @@ func (s *Server) handleConnect(_ string, pctx *goproxy.ProxyCtx) (*goproxy.Conne
 	s.opts.Observer.Decision(rec.Tenant, string(rec.Decision), rules.Reason(rec.Reason), open.DurationMS/1000)
 	if err := s.write(context.WithoutCancel(ctx), &open); err != nil {
 		release()
+		if upstream != nil {
+			_ = upstream.Close()
+		}
 		return reject(denialResponse(req, http.StatusServiceUnavailable, rules.ReasonAuditUnavailable, nh, ruleID(d), rec.ID))
 	}
 	tun := &tunnel{
@@ -122,18 +146,19 @@ func (s *Server) handleConnect(_ string, pctx *goproxy.ProxyCtx) (*goproxy.Conne
 	}
 	rec.Kind = audit.KindTunnel
 	rec.Status = 0
-	exceptions := d.Tenant.AllowCIDRs
+	// Counted from here, not from the hijack, so that a shutdown starting
+	// in between waits for this tunnel's record.
+	s.activeTunnels.Add(1)
 	return &goproxy.ConnectAction{
 		Action: goproxy.ConnectHijack,
 		Hijack: func(_ *http.Request, client net.Conn, _ *goproxy.ProxyCtx) {
-			s.serveTunnel(ctx, tun, client, intercept, exceptions)
+			s.serveTunnel(ctx, tun, client, intercept, upstream)
 		},
 	}, ""
 }
 
 // serveTunnel runs an accepted CONNECT to its end and writes its record.
-func (s *Server) serveTunnel(ctx context.Context, tun *tunnel, client net.Conn, intercept bool, exceptions []netip.Prefix) {
-	s.activeTunnels.Add(1)
+func (s *Server) serveTunnel(ctx context.Context, tun *tunnel, client net.Conn, intercept bool, upstream net.Conn) {
 	s.opts.Observer.TunnelOpened()
 	defer func() {
 		tun.release()
@@ -150,7 +175,7 @@ func (s *Server) serveTunnel(ctx context.Context, tun *tunnel, client net.Conn, 
 	if intercept {
 		status, in, out = s.intercept(ctx, tun, conn)
 	} else {
-		status, in, out = s.splice(ctx, tun, conn, exceptions)
+		status, in, out = s.splice(ctx, tun, conn, upstream)
 	}
 	tun.rec.Status = status
 	tun.rec.BytesIn, tun.rec.BytesOut = in, out
@@ -161,24 +186,8 @@ func (s *Server) serveTunnel(ctx context.Context, tun *tunnel, client net.Conn, 
 
 // splice connects the client to the upstream byte for byte, after checking
 // that the TLS ClientHello names the CONNECT host.
-func (s *Server) splice(ctx context.Context, tun *tunnel, client *idleConn, exceptions []netip.Prefix) (status int, in, out int64) {
-	dctx, cancel := context.WithTimeout(netguard.WithExceptions(ctx, exceptions), time.Duration(s.cfg.DialTimeout))
-	upstream, err := s.opts.Dialer.DialContext(dctx, "tcp", net.JoinHostPort(tun.host, itoa(tun.port)))
-	cancel()
-	if err != nil {
-		st, reason := classifyUpstreamError(err)
-		tun.rec.Decision = audit.DecisionError
-		if reason == rules.ReasonDestinationNotPermitted {
-			tun.rec.Decision = audit.DecisionDeny
-		}
-		tun.rec.Reason = string(reason)
-		s.writeRefusal(client, st, reason, tun)
-		return st, 0, 0
-	}
+func (s *Server) splice(ctx context.Context, tun *tunnel, client *idleConn, upstream net.Conn) (status int, in, out int64) {
 	defer upstream.Close()
-	if a, ok := upstream.RemoteAddr().(*net.TCPAddr); ok {
-		tun.rec.UpstreamIP = a.IP.String()
-	}
 	if _, err := io.WriteString(client, "HTTP/1.1 200 Connection established\r\n\r\n"); err != nil {
 		return http.StatusOK, 0, 0
 	}

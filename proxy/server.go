@@ -230,26 +230,38 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		return nil
 	}
 	err := hs.Shutdown(ctx)
-	// http.Server does not track hijacked connections: wait for tunnels
-	// here, and cut the ones still open when the deadline passes.
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for s.activeTunnels.Load() > 0 {
-		select {
-		case <-tick.C:
-		case <-ctx.Done():
-			tl.closeAll()
-			for s.activeTunnels.Load() > 0 {
-				time.Sleep(5 * time.Millisecond)
-			}
-		}
-	}
+	s.waitTunnels(ctx, tl)
 	s.transportsMu.Lock()
 	for _, t := range s.transports {
 		t.CloseIdleConnections()
 	}
 	s.transportsMu.Unlock()
 	return err
+}
+
+// waitTunnels waits for open tunnels, which http.Server does not track once
+// hijacked, and cuts the ones still open when ctx ends. Each tunnel then
+// writes its record; a tunnel whose hijack never happened would never count
+// down, so that last wait is bounded too.
+func (s *Server) waitTunnels(ctx context.Context, tl *trackedListener) {
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for s.activeTunnels.Load() > 0 {
+		select {
+		case <-tick.C:
+			continue
+		case <-ctx.Done():
+		}
+		tl.closeAll()
+		grace := time.Now().Add(2 * time.Second)
+		for s.activeTunnels.Load() > 0 && time.Now().Before(grace) {
+			time.Sleep(5 * time.Millisecond)
+		}
+		if n := s.activeTunnels.Load(); n > 0 {
+			s.log.Error("tunnels still open after the shutdown deadline", "count", n)
+		}
+		return
+	}
 }
 
 // ActiveConnections is the number of open client connections.
