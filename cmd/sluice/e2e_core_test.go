@@ -705,8 +705,11 @@ func TestE2EConnect(t *testing.T) {
 			t.Fatal("CONNECT to a loopback address was accepted for a tenant without exceptions")
 		}
 		checkDenial(t, "CONNECT loop.guard.test", resp, body, http.StatusForbidden, "destination_not_permitted")
-		expectTunnel(t, mark, "strict", "strict-guard", "loop.guard.test", w.origin.Port,
-			wantRecord{Decision: "deny", Reason: "destination_not_permitted", Status: 403})
+		// The guarded dial happens before the decision is recorded and
+		// before any 200: the refusal is the one and only record.
+		w.p.ExpectRecord(t, mark, wantRecord{Kind: "request", Tenant: "strict",
+			Host: "loop.guard.test", Port: w.origin.Port, Rule: "strict-guard",
+			Decision: "deny", Reason: "destination_not_permitted", Status: 403})
 	})
 }
 
