@@ -264,13 +264,15 @@ func (s *Server) identify(ctx context.Context, rec *audit.Record, req *http.Requ
 	if len(values) == 1 {
 		header = values[0]
 	}
+	// Clients on a Unix socket have no address to throttle by; who may
+	// connect there is decided by the socket's file permissions.
 	src := clientAddr(req)
-	if !s.opts.Limits.AuthAllowed(src) {
+	if src.IsValid() && !s.opts.Limits.AuthAllowed(src) {
 		return identity.Principal{}, s.authFailure(ctx, rec, req, errAuthThrottled)
 	}
 	p, err := snap.auth.Authenticate(header, s.opts.Now())
 	if err != nil {
-		if !errors.Is(err, identity.ErrMissing) {
+		if src.IsValid() && !errors.Is(err, identity.ErrMissing) {
 			// A client's first request often comes without credentials
 			// and is retried after the 407: only wrong ones count.
 			s.opts.Limits.AuthFailed(src)
