@@ -2,10 +2,10 @@
 # Installs the Debian packages the test suite uses when they are missing:
 # curl (clients inside the launcher's sandbox), bubblewrap (the launcher
 # benchmark's comparison), iproute2 and procps (inspecting namespaces and
-# processes). Needs root on Debian; does nothing when all are present.
+# processes), python3 (small helper servers in the launcher tests). Needs root on Debian; does nothing when all are present.
 set -euo pipefail
 need=()
-for pkg_cmd in curl:curl bubblewrap:bwrap iproute2:ip procps:ps; do
+for pkg_cmd in curl:curl bubblewrap:bwrap iproute2:ip procps:ps python3:python3; do
   pkg=${pkg_cmd%%:*} cmd=${pkg_cmd##*:}
   command -v "$cmd" >/dev/null 2>&1 || need+=("$pkg")
 done
