@@ -139,6 +139,9 @@ func TestVaultTokenRenewalAndRelogin(t *testing.T) {
 	if !strings.Contains(logs, "end of its lifetime") && !strings.Contains(logs, "renewal failed") {
 		t.Fatalf("the lifetime watcher never ended:\n%s", logs)
 	}
+	if strings.Contains(logs, "refresh failed") {
+		t.Fatalf("a refresh failed around the token's end of life:\n%s", logs)
+	}
 	if !strings.Contains(logs, "vault token renewed") {
 		t.Fatalf("the token was never renewed:\n%s", logs)
 	}
