@@ -217,6 +217,7 @@ func (s *Server) handle(req *http.Request, tun *tunnel) *http.Response {
 	if len(reveal) > 0 {
 		sc := broker.NewScrubber(readCloser{Reader: s.opts.Limits.Reader(ctx, p.Tenant, false, resp.Body), Closer: resp.Body}, reveal, []byte(redaction))
 		body.scrubber, body.rc = sc, sc
+		body.trailer, body.reveal = resp.Trailer, reveal
 		resp.ContentLength = -1
 		resp.Header.Del("Content-Length")
 		body.length = -1
@@ -639,6 +640,8 @@ type recordingBody struct {
 	reqBody  *countingReader
 	rc       io.ReadCloser
 	scrubber *broker.Scrubber
+	trailer  http.Header // scrubbed at the end of the body, when it is filled in
+	reveal   [][]byte
 	length   int64
 	n        int64
 	once     sync.Once
@@ -679,6 +682,9 @@ func (b *recordingBody) Close() error {
 func (b *recordingBody) done() error {
 	b.once.Do(func() {
 		if b.scrubber != nil && b.scrubber.Scrubbed() {
+			b.rec.ReflectionScrubbed = true
+		}
+		if b.trailer != nil && broker.ScrubHeader(b.trailer, b.reveal) {
 			b.rec.ReflectionScrubbed = true
 		}
 		if b.length >= 0 && b.n < b.length {
