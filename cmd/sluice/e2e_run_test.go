@@ -300,10 +300,9 @@ func TestE2ERunThroughSluice(t *testing.T) {
 				t.Fatalf("sluice run: exit %d, sandbox %q\nstdout:\n%s\nstderr:\n%s\nsluice serve:\n%s", r.code, r.sandbox, out, r.redact(r.stderr), tail(p.Stderr(), 3000))
 			}
 			if strings.Contains(out, "auth_throttled") {
-				// Known integration bug (proxy/ + internal/ratelimit): a unix-socket
-				// client has no IP, clientAddr returns the zero netip.Addr, and
-				// FailureThrottle refuses an invalid address, so every request on
-				// a unix listener is answered 407 auth_throttled.
+				// A unix-socket client has no IP; a per-source throttle that
+				// refuses the zero address answers every request on a unix
+				// listener 407 auth_throttled (found by this test, fixed in proxy/).
 				t.Fatalf("the proxy answered 407 auth_throttled to a valid minted token over %s: unix-socket clients have no IP and the per-source auth throttle refuses them all\n%s", transport, out)
 			}
 			checkSandboxOutput(t, w, out)
