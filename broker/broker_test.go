@@ -164,6 +164,10 @@ func TestBrokerFileLifecycle(t *testing.T) {
 	if age := b.Ages()["github"]; age != 2*time.Hour+time.Second {
 		t.Fatalf("Ages = %v", b.Ages())
 	}
+	// A refresh that fails past max staleness says so. Wait for it before
+	// the file comes back, or the recovery may get there first.
+	b.Kick()
+	eventually(t, 5*time.Second, "stale logged", func() bool { return strings.Contains(env.logs.String(), "secret stale") })
 
 	// The file comes back: recovery on the next refresh.
 	writeSecrets(t, env.path, "github: "+v3+"\nother: x-other-value\n")
