@@ -46,7 +46,9 @@ const (
 // and port: denied by a deny rule without method or path conditions, allowed
 // if an allow rule matches, and Intercept is set when any matching rule has
 // methods, paths, injections or inspect, so that every request in the tunnel
-// is decided again. IP-literal queries match only rules for that exact IP.
+// is decided again; tunnels to a host that a secret's placeholder may be
+// swapped for are always intercepted. IP-literal queries match only rules for
+// that exact IP.
 //
 // A deny rule's method and path conditions match leniently (ASCII case
 // folded, ";params" and one trailing slash ignored), because some upstream
@@ -64,7 +66,13 @@ func (p *Policy) Decide(q Query) Decision {
 		return Decision{Reason: ReasonBadRequest, Tenant: t}
 	}
 	if q.Connect {
-		return t.decideConnect(&q)
+		d := t.decideConnect(&q)
+		if d.Allowed && !d.Intercept && !d.WouldDeny {
+			if _, ok := p.placeholderHosts[q.Host]; ok {
+				d.Intercept = true
+			}
+		}
+		return d
 	}
 	if q.Path == "" || q.Path[0] != '/' {
 		return Decision{Reason: ReasonAmbiguousPath, Tenant: t}

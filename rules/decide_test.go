@@ -292,3 +292,34 @@ tenants:
 		t.Errorf("www:8443 refused: %+v", d)
 	}
 }
+
+// A placeholder can only be swapped in a tunnel sluice can see into: a
+// CONNECT to a placeholder secret's host is intercepted even when its rule
+// needs nothing inside.
+func TestPlaceholderHostsAreIntercepted(t *testing.T) {
+	cfg, err := Parse([]byte(`version: 1
+secrets:
+  - name: gh
+    source: file
+    hosts: [api.github.com]
+    placeholder: SLUICE_PLACEHOLDER_gh_0123456789
+tenants:
+  - id: t
+    allow:
+      - host: api.github.com
+      - host: pypi.org
+`), "t.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := Compile(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := p.Decide(Query{Tenant: "t", Host: "api.github.com", Port: 443, Connect: true}); !d.Allowed || !d.Intercept {
+		t.Errorf("placeholder host: %+v", d)
+	}
+	if d := p.Decide(Query{Tenant: "t", Host: "pypi.org", Port: 443, Connect: true}); !d.Allowed || d.Intercept {
+		t.Errorf("other host: %+v", d)
+	}
+}

@@ -25,6 +25,10 @@ type Policy struct {
 	secrets      map[string]*SecretSpec
 	secretList   []SecretSpec
 	placeholders []Placeholder
+	// placeholderHosts are the hosts some secret's placeholder may be
+	// swapped for: tunnels to them are always intercepted, since a swap
+	// (or a placeholder bound elsewhere) cannot be seen in a spliced one.
+	placeholderHosts map[string]struct{}
 	rules        int
 }
 
@@ -345,6 +349,12 @@ func (c *compiler) secrets(specs []SecretSpec) {
 				}
 				seenPH[s.Placeholder] = s.Name
 				c.p.placeholders = append(c.p.placeholders, Placeholder{Secret: s.Name, Value: s.Placeholder, Hosts: hosts})
+				if c.p.placeholderHosts == nil {
+					c.p.placeholderHosts = make(map[string]struct{})
+				}
+				for _, h := range hosts {
+					c.p.placeholderHosts[h] = struct{}{}
+				}
 			}
 		}
 		c.p.secretList = append(c.p.secretList, s)
