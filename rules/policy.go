@@ -29,7 +29,7 @@ type Policy struct {
 	// swapped for: tunnels to them are always intercepted, since a swap
 	// (or a placeholder bound elsewhere) cannot be seen in a spliced one.
 	placeholderHosts map[string]struct{}
-	rules        int
+	rules            int
 }
 
 // Tenant is one tenant's compiled policy.
