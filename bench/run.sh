@@ -13,7 +13,7 @@ repo=$(cd "$here/.." && pwd)
 harness=${BENCH_HARNESS:-$repo/../shared/bench/run.sh}
 work=${BENCH_SLUICE_WORK:-/tmp/sluice-bench}
 mkdir -p "$work" && chmod 700 "$work"
-if [ -n "${SLUICE_BIN:-}" ]; then cp "$SLUICE_BIN" "$work/sluice"; else go build -trimpath -o "$work/sluice" "$repo/cmd/sluice"; fi
+if [ -n "${SLUICE_BIN:-}" ]; then cp "$SLUICE_BIN" "$work/sluice"; else (cd "$repo" && go build -trimpath -o "$work/sluice" ./cmd/sluice); fi
 
 umask 077
 printf 'bench: bench-secret-value-0123456789\n' >"$work/secrets.yaml"
