@@ -331,10 +331,12 @@ func (s *Server) writeInner(req *http.Request, resp *http.Response, bw *bufio.Wr
 	if req.Close {
 		resp.Close = true
 	}
-	if resp.Body != nil {
+	if rb, ok := resp.Body.(*recordingBody); ok && rb.streaming {
 		// http.Response.Write never flushes between body chunks: without
 		// this, a streamed response (server-sent events) would sit in bw
-		// until the origin finished it.
+		// until the origin finished it. A body of known length arrives as
+		// fast as the origin can send it, so it is written out in as few
+		// TLS records as bw allows.
 		resp.Body = &flushBeforeRead{ReadCloser: resp.Body, bw: bw}
 	}
 	// writerOnly hides bw's ReadFrom: io.Copy would otherwise hand the body

@@ -209,7 +209,7 @@ func (s *Server) handle(req *http.Request, tun *tunnel) *http.Response {
 		}
 		return resp
 	}
-	body := &recordingBody{s: s, ctx: ctx, rec: rec, reqBody: reqBody, length: resp.ContentLength, abort: tun == nil}
+	body := &recordingBody{s: s, ctx: ctx, rec: rec, reqBody: reqBody, length: resp.ContentLength, abort: tun == nil, streaming: resp.ContentLength < 0}
 	if req.Method == http.MethodHead || resp.StatusCode == http.StatusNoContent || resp.StatusCode == http.StatusNotModified {
 		// Content-Length here describes a body that is never sent.
 		body.length = 0
@@ -641,11 +641,14 @@ type recordingBody struct {
 	rc       io.ReadCloser
 	scrubber *broker.Scrubber
 	trailer  http.Header // scrubbed at the end of the body, when it is filled in
-	reveal   [][]byte
-	length   int64
-	n        int64
-	once     sync.Once
-	err      error
+	// streaming marks a body whose length the origin did not announce
+	// (chunked, event streams): its parts are passed on as they arrive.
+	streaming bool
+	reveal    [][]byte
+	length    int64
+	n         int64
+	once      sync.Once
+	err       error
 	// abort is set for plain requests, whose body goproxy copies inside
 	// net/http's handler. Returning an error there is not enough: goproxy
 	// ignores it and net/http still ends a chunked or empty response

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -70,6 +71,7 @@ never replaces the running policy.`,
 	f.StringP("config", "c", "", "configuration file (required)")
 	f.String("log-level", "info", "log level: debug, info, warn, error")
 	f.String("bind-tenant", "", "bind the proxy listener to this tenant: clients are not asked for credentials (use only on a listener that one sandbox alone can reach)")
+	f.Bool("pprof", false, "serve Go profiling endpoints on the admin listener (debugging only)")
 	f.Bool("allow-readable-ca-key", false, "accept a CA key file readable by group/other (benchmarks with throwaway CAs only)")
 	for _, o := range serverOverrides {
 		f.String(o.flag, "", o.usage)
@@ -268,7 +270,15 @@ func runServe(ctx context.Context, v *viper.Viper, flags *pflag.FlagSet) error {
 		}
 		return nil
 	}
-	admin := &http.Server{Handler: adminHandler(m, ready, issuer != nil, secrets), ReadHeaderTimeout: 5 * time.Second}
+	adminMux := adminHandler(m, ready, issuer != nil, secrets)
+	if pp, _ := flags.GetBool("pprof"); pp {
+		// Profiling is opt-in: it exposes internals (never secret values,
+		// but heap contents can hold them), so it stays off by default.
+		adminMux.HandleFunc("/debug/pprof/", pprof.Index)
+		adminMux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		logger.Warn("pprof enabled on the admin listener", "admin", adminLn.Addr().String())
+	}
+	admin := &http.Server{Handler: adminMux, ReadHeaderTimeout: 5 * time.Second}
 	go func() { _ = admin.Serve(adminLn) }()
 
 	runCtx, stopRun := context.WithCancel(ctx)
@@ -378,7 +388,7 @@ func tenantIDs(p *rules.Policy) []string {
 	return ids
 }
 
-func adminHandler(m *metrics.Metrics, ready func() error, interception bool, secrets *broker.Broker) http.Handler {
+func adminHandler(m *metrics.Metrics, ready func() error, interception bool, secrets *broker.Broker) *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
