@@ -430,20 +430,47 @@ func (s *Server) writeRefusal(client net.Conn, status int, reason rules.Reason, 
 type idleConn struct {
 	net.Conn
 	idle time.Duration
+	// The deadlines last set. Moving a deadline costs a timer update, so
+	// it is pushed forward only once half the idle time has been used: a
+	// connection idle for between idle/2 and idle is cut.
+	rdl, wdl time.Time
 }
 
 func (c *idleConn) Read(p []byte) (int, error) {
 	if c.idle > 0 {
-		_ = c.Conn.SetReadDeadline(time.Now().Add(c.idle))
+		if now := time.Now(); c.rdl.Sub(now) < c.idle/2 {
+			c.rdl = now.Add(c.idle)
+			_ = c.Conn.SetReadDeadline(c.rdl)
+		}
 	}
 	return c.Conn.Read(p)
 }
 
 func (c *idleConn) Write(p []byte) (int, error) {
 	if c.idle > 0 {
-		_ = c.Conn.SetWriteDeadline(time.Now().Add(c.idle))
+		if now := time.Now(); c.wdl.Sub(now) < c.idle/2 {
+			c.wdl = now.Add(c.idle)
+			_ = c.Conn.SetWriteDeadline(c.wdl)
+		}
 	}
 	return c.Conn.Write(p)
+}
+
+// SetReadDeadline and SetWriteDeadline let a caller impose its own deadline
+// (a handshake, a hello peek); the idle deadline resumes at the next call.
+func (c *idleConn) SetReadDeadline(t time.Time) error {
+	c.rdl = time.Time{}
+	return c.Conn.SetReadDeadline(t)
+}
+
+func (c *idleConn) SetWriteDeadline(t time.Time) error {
+	c.wdl = time.Time{}
+	return c.Conn.SetWriteDeadline(t)
+}
+
+func (c *idleConn) SetDeadline(t time.Time) error {
+	c.rdl, c.wdl = time.Time{}, time.Time{}
+	return c.Conn.SetDeadline(t)
 }
 
 func (c *idleConn) CloseWrite() error {
