@@ -183,12 +183,15 @@ func TestDiskFullAndRecovery(t *testing.T) {
 
 func TestFileRemovedUnderWriter(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "audit.log")
-	w := openTest(t, Options{Path: path})
+	clock := newClock()
+	w := openTest(t, Options{Path: path, Now: clock.Now})
 	ctx := context.Background()
 	w.Write(ctx, sampleRecord(1))
 	if err := os.Remove(path); err != nil {
 		t.Fatal(err)
 	}
+	// The path is checked at most every statEvery.
+	clock.Advance(statEvery)
 	if err := w.Write(ctx, sampleRecord(2)); err != nil {
 		t.Fatal(err)
 	}
