@@ -121,31 +121,26 @@ func (g *framingGuard) Read(p []byte) (int, error) {
 	return n, nil
 }
 
+// passCounted releases up to remaining bytes of a body or chunk, and moves
+// to next once they are all through.
+func (g *framingGuard) passCounted(next framingState) {
+	n := min(int64(len(g.pending)), g.remaining)
+	g.ready, g.pending = g.pending[:n], g.pending[n:]
+	g.remaining -= n
+	if g.remaining == 0 {
+		g.state = next
+	}
+}
+
 // advance classifies bytes from pending into ready according to the state.
 func (g *framingGuard) advance() error {
 	switch g.state {
 	case statePassthrough:
 		g.ready, g.pending = g.pending, nil
 	case stateBody:
-		n := int64(len(g.pending))
-		if n > g.remaining {
-			n = g.remaining
-		}
-		g.ready, g.pending = g.pending[:n], g.pending[n:]
-		g.remaining -= n
-		if g.remaining == 0 {
-			g.state = stateHead
-		}
+		g.passCounted(stateHead)
 	case stateChunkData:
-		n := int64(len(g.pending))
-		if n > g.remaining {
-			n = g.remaining
-		}
-		g.ready, g.pending = g.pending[:n], g.pending[n:]
-		g.remaining -= n
-		if g.remaining == 0 {
-			g.state = stateChunkDataCRLF
-		}
+		g.passCounted(stateChunkDataCRLF)
 	case stateHead:
 		i := bytes.IndexByte(g.pending, '\n')
 		if i < 0 {
