@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/elazarl/goproxy"
@@ -152,7 +153,10 @@ func (s *Server) handleConnect(_ string, pctx *goproxy.ProxyCtx) (*goproxy.Conne
 	return &goproxy.ConnectAction{
 		Action: goproxy.ConnectHijack,
 		Hijack: func(_ *http.Request, client net.Conn, _ *goproxy.ProxyCtx) {
-			s.serveTunnel(ctx, tun, client, intercept, upstream)
+			// A goroutine of its own, so that net/http's handler goroutine
+			// (and its deep stack) ends now rather than living as long as
+			// the tunnel: idle tunnels are counted in memory per tunnel.
+			go s.serveTunnel(ctx, tun, client, intercept, upstream)
 		},
 	}, ""
 }
@@ -227,25 +231,85 @@ func (s *Server) refuseInside(tun *tunnel, reason rules.Reason, msg string) (int
 }
 
 // pipe copies both ways until both directions end, with the tenant's byte
-// rates applied, and returns the bytes sent up and down.
+// rates applied, and returns the bytes sent up and down. One direction runs
+// in the calling goroutine.
 func (s *Server) pipe(ctx context.Context, tenant string, client, upstream *idleConn) (in, out int64) {
-	var wg sync.WaitGroup
-	var up, down atomic.Int64
-	wg.Add(2)
+	up := make(chan int64, 1)
 	go func() {
-		defer wg.Done()
-		n, _ := io.Copy(upstream, s.opts.Limits.Reader(ctx, tenant, true, client))
-		up.Store(n)
+		n := s.copyHalf(ctx, tenant, true, upstream, client)
 		_ = upstream.CloseWrite()
+		up <- n
 	}()
-	go func() {
-		defer wg.Done()
-		n, _ := io.Copy(client, s.opts.Limits.Reader(ctx, tenant, false, upstream))
-		down.Store(n)
-		_ = client.CloseWrite()
-	}()
-	wg.Wait()
-	return up.Load(), down.Load()
+	out = s.copyHalf(ctx, tenant, false, client, upstream)
+	_ = client.CloseWrite()
+	return <-up, out
+}
+
+// copyBufs are the spliced tunnels' copy buffers. A tunnel holds one only
+// while bytes move: between bursts it waits for its source to become
+// readable without a buffer, so a thousand idle tunnels do not pin two
+// 32 KiB buffers each.
+var copyBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
+// copyHalf copies src to dst until src ends or either side fails.
+func (s *Server) copyHalf(ctx context.Context, tenant string, egress bool, dst, src *idleConn) int64 {
+	r := s.opts.Limits.Reader(ctx, tenant, egress, src)
+	wait := readableWaiter(src.Conn)
+	var total int64
+	for {
+		if wait != nil {
+			src.armRead()
+			if err := wait(); err != nil {
+				return total
+			}
+		}
+		bp := copyBufs.Get().(*[]byte)
+		n, err := r.Read(*bp)
+		if n > 0 {
+			if _, werr := dst.Write((*bp)[:n]); werr != nil {
+				copyBufs.Put(bp)
+				return total
+			}
+			total += int64(n)
+		}
+		copyBufs.Put(bp)
+		if err != nil {
+			return total
+		}
+	}
+}
+
+// readableWaiter returns a function that blocks until c has bytes to read
+// (or EOF, or an error, or its read deadline), holding no buffer while it
+// waits. It returns nil when c is not a plain socket underneath or has bytes
+// buffered above the socket, and the caller then just reads.
+func readableWaiter(c net.Conn) func() error {
+	for {
+		switch v := c.(type) {
+		case *guardedConn:
+			if v.guard.buffered() {
+				return nil
+			}
+			c = v.Conn
+		case *trackedConn:
+			c = v.Conn
+		case syscall.Conn:
+			rc, err := v.SyscallConn()
+			if err != nil {
+				return nil
+			}
+			var peek [1]byte
+			ready := func(fd uintptr) bool {
+				// MSG_PEEK leaves the byte for the real read; EAGAIN means
+				// nothing yet, so the poller waits for readability.
+				_, _, err := syscall.Recvfrom(int(fd), peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+				return err != syscall.EAGAIN
+			}
+			return func() error { return rc.Read(ready) }
+		default:
+			return nil
+		}
+	}
 }
 
 // intercept terminates the client's TLS with a leaf for the CONNECT host and
@@ -437,12 +501,7 @@ type idleConn struct {
 }
 
 func (c *idleConn) Read(p []byte) (int, error) {
-	if c.idle > 0 {
-		if now := time.Now(); c.rdl.Sub(now) < c.idle/2 {
-			c.rdl = now.Add(c.idle)
-			_ = c.Conn.SetReadDeadline(c.rdl)
-		}
-	}
+	c.armRead()
 	return c.Conn.Read(p)
 }
 
@@ -454,6 +513,17 @@ func (c *idleConn) Write(p []byte) (int, error) {
 		}
 	}
 	return c.Conn.Write(p)
+}
+
+// armRead pushes the idle read deadline forward before a wait that does
+// not go through Read.
+func (c *idleConn) armRead() {
+	if c.idle > 0 {
+		if now := time.Now(); c.rdl.Sub(now) < c.idle/2 {
+			c.rdl = now.Add(c.idle)
+			_ = c.Conn.SetReadDeadline(c.rdl)
+		}
+	}
 }
 
 // SetReadDeadline and SetWriteDeadline let a caller impose its own deadline

@@ -68,6 +68,10 @@ func newFramingGuard(r io.Reader, maxHead, maxCount int) *framingGuard {
 	return &framingGuard{r: r, maxHead: maxHead, maxCount: maxCount}
 }
 
+// buffered reports whether the guard holds bytes it has read but not yet
+// returned.
+func (g *framingGuard) buffered() bool { return len(g.pending) > 0 || len(g.ready) > 0 }
+
 // Violation returns the refused head's error, or nil.
 func (g *framingGuard) Violation() *framingError { return g.violation }
 
