@@ -181,6 +181,9 @@ func (f *FileSource) Run(ctx context.Context, changed func()) {
 		f.log.Warn("broker: cannot watch secrets file directory; relying on periodic refresh", "dir", dir, "err", err)
 		return
 	}
+	// The watch starts after the first fetch: a change made in between
+	// would be missed until the periodic refresh, so look once more now.
+	changed()
 	base := filepath.Base(f.path)
 	for {
 		select {
