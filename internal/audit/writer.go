@@ -388,8 +388,10 @@ func (w *Writer) prepare(batch []*pending) error {
 	// the path is checked at most every statEvery. Records written between
 	// a removal and its detection land in the removed file; the new file's
 	// chain header (file_missing) says the old one went away.
-	if w.file != nil && w.newFile == "" && w.now().Sub(w.lastStat) >= statEvery {
-		w.lastStat = w.now()
+	// Wall-clock time, not the writer's clock: this is a throttle on
+	// syscalls, and reading the record clock here would move record times.
+	if w.file != nil && w.newFile == "" && time.Since(w.lastStat) >= statEvery {
+		w.lastStat = time.Now()
 		fi, err := os.Stat(w.opts.Path)
 		if err != nil || !os.SameFile(fi, w.fi) {
 			w.log.Warn("audit log was removed or replaced; starting a new file", "path", w.opts.Path)
