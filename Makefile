@@ -17,8 +17,10 @@ run: build
 # The whole test suite with the race detector: installs what a fresh Debian
 # machine lacks (root), builds the Vault dev server once (cached outside the
 # repo), then runs every test, including the real-Vault and launcher tests.
+# Packages run one at a time (-p 1): the end-to-end tests measure rates and
+# timeouts, and two packages loading both cores at once make those flaky.
 test: deps vault
-	SLUICE_VAULT_BIN="$$(scripts/build-vault.sh)" $(GO) test -race -count=1 -timeout 60m ./...
+	SLUICE_VAULT_BIN="$$(scripts/build-vault.sh)" $(GO) test -race -count=1 -p 1 -timeout 60m ./...
 
 # Unit and loopback tests only (no Vault build, no package installs).
 test-short:
