@@ -85,6 +85,35 @@ type trackedConn struct {
 	l     *trackedListener
 	timer *time.Timer
 	once  sync.Once
+
+	// held are the tenants this connection counts against (one, unless a
+	// client switches credentials on a keep-alive connection), released
+	// when it closes.
+	mu     sync.Mutex
+	held   []string
+	frees  []func()
+	closed bool
+}
+
+// holdTenant counts this connection against tenant's connection cap, once.
+func (c *trackedConn) holdTenant(tenant string, acquire func(string) (func(), bool)) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, t := range c.held {
+		if t == tenant {
+			return true
+		}
+	}
+	if c.closed {
+		return false
+	}
+	release, ok := acquire(tenant)
+	if !ok {
+		return false
+	}
+	c.held = append(c.held, tenant)
+	c.frees = append(c.frees, release)
+	return true
 }
 
 func (c *trackedConn) Close() error {
@@ -97,6 +126,13 @@ func (c *trackedConn) Close() error {
 		c.l.mu.Lock()
 		delete(c.l.conns, c)
 		c.l.mu.Unlock()
+		c.mu.Lock()
+		c.closed = true
+		for _, free := range c.frees {
+			free()
+		}
+		c.held, c.frees = nil, nil
+		c.mu.Unlock()
 	})
 	return err
 }

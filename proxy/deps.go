@@ -56,6 +56,9 @@ type Limiter interface {
 	AllowRequest(tenant, rule string, secrets []string) (ok bool, retryAfter time.Duration)
 	// AcquireTunnel reserves one concurrent tunnel for the tenant.
 	AcquireTunnel(tenant string) (release func(), ok bool)
+	// AcquireConnection reserves one client connection for the tenant; the
+	// proxy holds it until the connection closes.
+	AcquireConnection(tenant string) (release func(), ok bool)
 	// Reader applies the tenant's byte rate in one direction.
 	Reader(ctx context.Context, tenant string, egress bool, r io.Reader) io.Reader
 	// AuthAllowed says whether a source address may try to authenticate;
@@ -77,6 +80,7 @@ type nopLimiter struct{}
 
 func (nopLimiter) AllowRequest(string, string, []string) (bool, time.Duration) { return true, 0 }
 func (nopLimiter) AcquireTunnel(string) (func(), bool)                         { return func() {}, true }
+func (nopLimiter) AcquireConnection(string) (func(), bool)                     { return func() {}, true }
 func (nopLimiter) AuthAllowed(netip.Addr) bool                                 { return true }
 func (nopLimiter) AuthFailed(netip.Addr)                                       {}
 func (nopLimiter) Reader(_ context.Context, _ string, _ bool, r io.Reader) io.Reader {

@@ -254,6 +254,39 @@ func (u *scrubbedUpgrade) Read(p []byte) (int, error) { return u.r.Read(p) }
 // identify authenticates a plain request or a CONNECT from its
 // Proxy-Authorization header; a failure is answered with 407.
 func (s *Server) identify(ctx context.Context, rec *audit.Record, req *http.Request, snap *snapshot) (identity.Principal, *http.Response) {
+	p, resp := s.authenticate(ctx, rec, req, snap)
+	if resp != nil {
+		return p, resp
+	}
+	// Per-tenant connection caps: the tenant is known only now, so the
+	// connection is counted against it at its first authenticated request.
+	if tc := trackedConnOf(ctx); tc != nil && !tc.holdTenant(p.Tenant, s.opts.Limits.AcquireConnection) {
+		rec.Tenant, rec.Sandbox = p.Tenant, p.Sandbox
+		s.opts.Observer.Refused(p.Tenant, "connection")
+		resp := s.deny(ctx, rec, req, http.StatusTooManyRequests, rules.ReasonConnectionLimit, "")
+		resp.Header.Set("Retry-After", "1")
+		// Close the connection: it must not linger uncounted. (goproxy
+		// passes headers, not resp.Close, on to net/http.)
+		resp.Close = true
+		resp.Header.Set("Connection", "close")
+		return identity.Principal{}, resp
+	}
+	return p, nil
+}
+
+// trackedConnOf finds the accepted connection a request came on.
+func trackedConnOf(ctx context.Context) *trackedConn {
+	gc, ok := ctx.Value(connKey{}).(*guardedConn)
+	if !ok {
+		return nil
+	}
+	tc, _ := gc.Conn.(*trackedConn)
+	return tc
+}
+
+// authenticate resolves the principal from Proxy-Authorization, or from the
+// listener's binding.
+func (s *Server) authenticate(ctx context.Context, rec *audit.Record, req *http.Request, snap *snapshot) (identity.Principal, *http.Response) {
 	if s.opts.Bound != nil {
 		return *s.opts.Bound, nil
 	}

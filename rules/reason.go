@@ -53,6 +53,9 @@ const (
 	ReasonRateLimited Reason = "rate_limited"
 	// ReasonTunnelLimit: too many concurrent tunnels for the tenant or process.
 	ReasonTunnelLimit Reason = "tunnel_limit"
+	// ReasonConnectionLimit: the tenant already holds its maximum number of
+	// client connections (limits.max_connections).
+	ReasonConnectionLimit Reason = "connection_limit"
 	// ReasonInjectionRequiresTLS: the rule injects a secret but the request
 	// is cleartext HTTP and the rule does not set inject_over_http.
 	ReasonInjectionRequiresTLS Reason = "injection_requires_tls"
@@ -80,7 +83,7 @@ func AllReasons() []Reason {
 		ReasonAmbiguousPath, ReasonInvalidHost, ReasonAuthRequired, ReasonAuthInvalid,
 		ReasonAuthExpired, ReasonAuthThrottled, ReasonBadRequest, ReasonHostMismatch,
 		ReasonDestinationNotPermitted, ReasonSNIMismatch, ReasonSNIMissing,
-		ReasonUpstreamError, ReasonUpstreamTimeout, ReasonRateLimited, ReasonTunnelLimit,
+		ReasonUpstreamError, ReasonUpstreamTimeout, ReasonRateLimited, ReasonTunnelLimit, ReasonConnectionLimit,
 		ReasonInjectionRequiresTLS, ReasonSecretUnavailable, ReasonExfiltrationAttempt, ReasonInterceptionUnavailable,
 		ReasonAuditUnavailable, ReasonShuttingDown,
 	}

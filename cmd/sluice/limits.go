@@ -54,6 +54,10 @@ func (l *limiter) AcquireTunnel(tenant string) (func(), bool) {
 	return l.limits.Acquire(ratelimit.Tunnels, tenant)
 }
 
+func (l *limiter) AcquireConnection(tenant string) (func(), bool) {
+	return l.limits.Acquire(ratelimit.Connections, tenant)
+}
+
 func (l *limiter) Reader(ctx context.Context, tenant string, egress bool, r io.Reader) io.Reader {
 	dir := ratelimit.Ingress
 	if egress {
