@@ -84,8 +84,9 @@ func (t *Table) Write(r *Record) error {
 		if detail == "" {
 			detail = r.Message
 		}
-		if dest == "" {
-			dest = r.Client
+		if dest == "" && r.Client != "" {
+			// Who failed, not where to: say so, or it reads as a destination.
+			dest = "from " + r.Client
 		}
 	}
 	var marks []string
