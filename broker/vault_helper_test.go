@@ -4,48 +4,17 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"fmt"
-	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/hashicorp/vault/api"
-)
 
-// vaultBinary finds the Vault server built by scripts/build-vault.sh. Without
-// it the Vault tests skip, except under CI, where they must run.
-func vaultBinary(t *testing.T) string {
-	t.Helper()
-	if p := os.Getenv("SLUICE_VAULT_BIN"); p != "" {
-		if _, err := os.Stat(p); err != nil {
-			t.Fatalf("SLUICE_VAULT_BIN=%s: %v", p, err)
-		}
-		return p
-	}
-	cache := os.Getenv("SLUICE_CACHE")
-	if cache == "" {
-		base := os.Getenv("XDG_CACHE_HOME")
-		if base == "" {
-			home, _ := os.UserHomeDir()
-			base = filepath.Join(home, ".cache")
-		}
-		cache = filepath.Join(base, "sluice")
-	}
-	p := filepath.Join(cache, "vault-v1.21.0", "vault")
-	if _, err := os.Stat(p); err != nil {
-		msg := fmt.Sprintf("no Vault server binary at %s: run scripts/build-vault.sh or set SLUICE_VAULT_BIN", p)
-		if os.Getenv("CI") != "" {
-			t.Fatal(msg)
-		}
-		t.Skip(msg)
-	}
-	return p
-}
+	"github.com/sluicehq/sluice/internal/vaultdev"
+)
 
 func randomHex(t *testing.T, n int) string {
 	t.Helper()
@@ -56,24 +25,13 @@ func randomHex(t *testing.T, n int) string {
 	return hex.EncodeToString(b)
 }
 
-func freeLoopbackAddr(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := l.Addr().String()
-	l.Close()
-	return addr
-}
-
-// devVault is one `vault server -dev` process on loopback.
+// devVault is one `vault server -dev` process on loopback (see
+// internal/vaultdev) with an admin client holding its root token.
 type devVault struct {
-	t     *testing.T
-	bin   string
+	t *testing.T
+	*vaultdev.Server
 	addr  string
 	root  string
-	cmd   *exec.Cmd
 	admin *api.Client
 }
 
@@ -82,33 +40,13 @@ type devVault struct {
 // healthy and registers its teardown.
 func startDevVault(t *testing.T, addr, root string) *devVault {
 	t.Helper()
-	if addr == "" {
-		addr = freeLoopbackAddr(t)
-	}
 	if root == "" {
 		root = "root-" + randomHex(t, 12)
 	}
-	v := &devVault{t: t, bin: vaultBinary(t), addr: addr, root: root}
-	dir := t.TempDir()
-	logf, err := os.Create(filepath.Join(dir, "vault.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { logf.Close() })
-	cmd := exec.Command(v.bin, "server", "-dev",
-		"-dev-listen-address="+addr, "-dev-root-token-id="+root, "-dev-no-store-token", "-log-level=warn")
-	cmd.Dir = dir
-	// A clean environment: no VAULT_* or proxy settings from the host.
-	cmd.Env = []string{"HOME=" + dir, "PATH=" + os.Getenv("PATH"), "TMPDIR=" + dir}
-	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start vault: %v", err)
-	}
-	v.cmd = cmd
-	t.Cleanup(v.Stop)
-
+	srv := vaultdev.Start(t, addr, root)
+	v := &devVault{t: t, Server: srv, addr: srv.Addr, root: root}
 	conf := api.DefaultConfig()
-	conf.Address = "http://" + addr
+	conf.Address = srv.URL()
 	conf.HttpClient.Transport.(*http.Transport).Proxy = nil
 	conf.MaxRetries = 0
 	admin, err := api.NewClient(conf)
@@ -117,47 +55,8 @@ func startDevVault(t *testing.T, addr, root string) *devVault {
 	}
 	admin.SetToken(root)
 	v.admin = admin
-
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		h, err := admin.Sys().HealthWithContext(ctx)
-		cancel()
-		if err == nil && h.Initialized && !h.Sealed {
-			break
-		}
-		if time.Now().After(deadline) {
-			out, _ := os.ReadFile(logf.Name())
-			t.Fatalf("vault on %s not healthy after 60s: %v\n%s", addr, err, out)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	// The dev server mounts KV v2 at secret/, but asynchronously upgrades it:
-	// wait until a write works.
-	for {
-		_, err := admin.KVv2("secret").Put(context.Background(), "sluice-probe", map[string]any{"ok": "1"})
-		if err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("KV v2 on %s not ready: %v", addr, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
 	return v
 }
-
-// Stop kills the server by PID and waits for it; safe to call twice.
-func (v *devVault) Stop() {
-	if v.cmd == nil || v.cmd.Process == nil {
-		return
-	}
-	_ = v.cmd.Process.Kill()
-	_ = v.cmd.Wait()
-	v.cmd = nil
-}
-
-func (v *devVault) URL() string { return "http://" + v.addr }
 
 func (v *devVault) putSecret(path string, data map[string]any) {
 	v.t.Helper()

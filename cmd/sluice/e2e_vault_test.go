@@ -14,7 +14,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -24,49 +23,14 @@ import (
 	"time"
 
 	"github.com/sluicehq/sluice/internal/audit"
+	"github.com/sluicehq/sluice/internal/vaultdev"
 )
 
-// e2eVaultBinary finds the Vault server: SLUICE_VAULT_BIN, else the binary
-// scripts/build-vault.sh caches. Without one the test skips, except under
-// CI, where it fails.
-func e2eVaultBinary(t *testing.T) string {
-	t.Helper()
-	if p := os.Getenv("SLUICE_VAULT_BIN"); p != "" {
-		if _, err := os.Stat(p); err != nil {
-			t.Fatalf("SLUICE_VAULT_BIN=%s: %v", p, err)
-		}
-		return p
-	}
-	cache := os.Getenv("SLUICE_CACHE")
-	if cache == "" {
-		base := os.Getenv("XDG_CACHE_HOME")
-		if base == "" {
-			home, _ := os.UserHomeDir()
-			base = filepath.Join(home, ".cache")
-		}
-		cache = filepath.Join(base, "sluice")
-	}
-	p := filepath.Join(cache, "vault-v1.21.0", "vault")
-	if _, err := os.Stat(p); err != nil {
-		msg := fmt.Sprintf("no Vault server binary at %s: run scripts/build-vault.sh or set SLUICE_VAULT_BIN", p)
-		if os.Getenv("CI") != "" {
-			t.Fatal(msg)
-		}
-		t.Skip(msg)
-	}
-	return p
-}
-
-// e2eVault is one `vault server -dev` on loopback, configured through its
-// HTTP API with the root token.
+// e2eVault is one `vault server -dev` on loopback (see internal/vaultdev),
+// configured through its HTTP API with the root token.
 type e2eVault struct {
+	*vaultdev.Server
 	t    *testing.T
-	bin  string
-	Addr string // 127.0.0.1:port
-	Root string
-	log  string
-	cmd  *exec.Cmd
-	done chan struct{}
 	http *http.Client
 }
 
@@ -75,83 +39,8 @@ type e2eVault struct {
 // secret/ takes writes. It is killed by PID at cleanup (or by Stop).
 func startE2EVault(t *testing.T, addr, root string) *e2eVault {
 	t.Helper()
-	bin := e2eVaultBinary(t)
-	if addr == "" {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		addr = l.Addr().String()
-		l.Close()
-	}
-	dir := t.TempDir()
-	v := &e2eVault{t: t, bin: bin, Addr: addr, Root: root, log: filepath.Join(dir, "vault.log"), done: make(chan struct{}),
+	return &e2eVault{Server: vaultdev.Start(t, addr, root), t: t,
 		http: &http.Client{Transport: &http.Transport{Proxy: nil}, Timeout: 5 * time.Second}}
-	logf, err := os.Create(v.log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(bin, "server", "-dev", "-dev-listen-address="+addr, "-dev-root-token-id="+root,
-		"-dev-no-store-token", "-log-level=warn")
-	cmd.Dir = dir
-	// Nothing from the host's VAULT_* or proxy settings.
-	cmd.Env = []string{"HOME=" + dir, "PATH=" + os.Getenv("PATH"), "TMPDIR=" + dir}
-	cmd.Stdout, cmd.Stderr = logf, logf
-	if err := cmd.Start(); err != nil {
-		logf.Close()
-		t.Fatalf("starting vault: %v", err)
-	}
-	v.cmd = cmd
-	go func() {
-		_ = cmd.Wait()
-		logf.Close()
-		close(v.done)
-	}()
-	t.Cleanup(v.Stop)
-
-	deadline := time.Now().Add(90 * time.Second)
-	for {
-		resp, err := v.http.Get("http://" + addr + "/v1/sys/health")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				break
-			}
-		}
-		select {
-		case <-v.done:
-			out, _ := os.ReadFile(v.log)
-			t.Fatalf("vault on %s exited before it was healthy:\n%s", addr, out)
-		default:
-		}
-		if time.Now().After(deadline) {
-			out, _ := os.ReadFile(v.log)
-			t.Fatalf("vault on %s not healthy after 90s:\n%s", addr, out)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	// The dev server upgrades secret/ to KV v2 asynchronously.
-	for {
-		_, err := v.call(http.MethodPost, "secret/data/e2e-probe", map[string]any{"data": map[string]any{"ok": "1"}}, nil)
-		if err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("KV v2 on %s not ready: %v", addr, err)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	return v
-}
-
-// Stop kills the server by PID and waits for it; safe to call twice.
-func (v *e2eVault) Stop() {
-	if v.cmd == nil {
-		return
-	}
-	_ = v.cmd.Process.Kill()
-	<-v.done
-	v.cmd = nil
 }
 
 // call is one HTTP API request with the root token. Errors never include
@@ -245,7 +134,7 @@ type vaultWorld struct {
 
 func newVaultWorld(t *testing.T) *vaultWorld {
 	t.Helper()
-	e2eVaultBinary(t) // skip before building anything
+	vaultdev.Binary(t) // skip before building anything
 	w := &vaultWorld{mitmWorld: newMITMWorld(t)}
 	root := "root-" + randomToken(t)
 	w.vault = startE2EVault(t, "", root)
@@ -451,6 +340,17 @@ func TestE2EVaultLifecycle(t *testing.T) {
 		checkDenial(t, "still stale", resp, body, http.StatusServiceUnavailable, "secret_unavailable")
 	}
 
+	// The broker says so in its log once a refresh fails past max
+	// staleness; a refresh against a dead server may still be in its
+	// retries, so wait for that line before Vault comes back.
+	staleLogged := time.Now()
+	for !strings.Contains(p.Stderr(), "secret stale") {
+		if time.Since(staleLogged) > e2eTimeout {
+			t.Fatalf("no log line mentioning \"secret stale\" within %s:\n%s", e2eTimeout, tail(p.Stderr(), 3000))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+
 	// Recovery: a new dev server on the same address with the same root
 	// token, re-seeded (same AppRole ids, a third value). sluice's old
 	// token means nothing to it: the broker must log in again.
@@ -558,7 +458,7 @@ func TestE2EVaultExample(t *testing.T) {
 	}
 
 	t.Run("setup.sh against a dev server", func(t *testing.T) {
-		bin := e2eVaultBinary(t)
+		bin := vaultdev.Binary(t)
 		if _, err := exec.LookPath("bash"); err != nil {
 			t.Skip("no bash")
 		}
