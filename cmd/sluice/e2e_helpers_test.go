@@ -214,23 +214,7 @@ func (e *e2eEnv) cleanup() {
 			}
 		}
 	}
-	type haystack struct {
-		name string
-		data []byte
-	}
-	var hay []haystack
-	for _, p := range procs {
-		hay = append(hay, haystack{"stderr of sluice (" + p.ProxyAddr + ")", []byte(p.Stderr())})
-		files, _ := filepath.Glob(p.AuditPath + "*")
-		for _, f := range files {
-			b, err := os.ReadFile(f)
-			if err != nil {
-				t.Errorf("leak scan: reading %s: %v", f, err)
-				continue
-			}
-			hay = append(hay, haystack{"audit file " + filepath.Base(f), b})
-		}
-	}
+	hay := processOutputs(t, procs)
 	for _, o := range origins {
 		for _, r := range o.Seen() {
 			var b bytes.Buffer
@@ -250,6 +234,32 @@ func (e *e2eEnv) cleanup() {
 	if len(secrets) > 0 && len(hay) > 0 {
 		t.Logf("leak scan: %d secret values checked against %d outputs", len(secrets), len(hay))
 	}
+}
+
+// haystack is one output a leak scan searches.
+type haystack struct {
+	name string
+	data []byte
+}
+
+// processOutputs is everything the stopped processes wrote that a secret
+// must never reach: their stderr and every audit file, rotated ones included.
+func processOutputs(t *testing.T, procs []*sluiceProc) []haystack {
+	t.Helper()
+	var hay []haystack
+	for _, p := range procs {
+		hay = append(hay, haystack{"stderr of sluice (" + p.ProxyAddr + ")", []byte(p.Stderr())})
+		files, _ := filepath.Glob(p.AuditPath + "*")
+		for _, f := range files {
+			b, err := os.ReadFile(f)
+			if err != nil {
+				t.Errorf("leak scan: reading %s: %v", f, err)
+				continue
+			}
+			hay = append(hay, haystack{"audit file " + filepath.Base(f), b})
+		}
+	}
+	return hay
 }
 
 // ---------------------------------------------------------------------------

@@ -107,24 +107,8 @@ func secretScan(t *testing.T, env *e2eEnv, saw *clientLog, values func() []strin
 		for _, p := range procs {
 			p.Stop(t)
 		}
-		type hay struct {
-			name string
-			data []byte
-		}
-		var hs []hay
-		for _, p := range procs {
-			hs = append(hs, hay{"sluice stderr (" + p.ConfigPath + ")", []byte(p.Stderr())})
-			files, _ := filepath.Glob(p.AuditPath + "*")
-			for _, f := range files {
-				b, err := os.ReadFile(f)
-				if err != nil {
-					t.Errorf("secret scan: %v", err)
-					continue
-				}
-				hs = append(hs, hay{"audit file " + filepath.Base(f), b})
-			}
-		}
-		hs = append(hs, hay{"what the client saw", saw.bytes()})
+		hs := processOutputs(t, procs)
+		hs = append(hs, haystack{"what the client saw", saw.bytes()})
 		vals := values()
 		checked := 0
 		for _, v := range vals {
